@@ -1,0 +1,342 @@
+"""Kimi Delta Attention (KDA): pure-PyTorch chunked and recurrent paths, fla-core on CUDA.
+
+Per value head, with state S in R^{K x V} (see docs/architecture.md, "kernels -> policy"):
+
+    S <- Diag(exp(g_t)) S                         decay the key channels first
+    S <- S + beta_t k_t (v_t - S^T k_t)^T         delta rule on the decayed state
+    o_t = scale * S^T q_t                         read after the write
+
+Layouts: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (log decay <= 0);
+beta [B, T, HV]; state [B, HV, K, V]. H divides HV: q/k head h serves value heads
+h*HV/H ... (h+1)*HV/H - 1. q and k are used as given (the layer l2-normalises them).
+
+Numerics: everything runs in float32, or float64 when any input is float64 (exactness
+tests). The returned state is float32 (float64 in float64 mode, so tests can compare
+it to 1e-10). Decay factors are only ever exp(non-positive number): pairwise
+differences Gamma_r - Gamma_c are masked to -inf above the diagonal before exp, and
+off-diagonal blocks are factored around a pivot between r and c (both factors <= 1).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["kda_chunk", "kda_recurrent", "kda", "kda_gate", "fla_available"]
+
+Tensor = torch.Tensor
+
+# Rows of a chunk are grouped in sub-blocks of this size: pairs inside a sub-block use
+# the exact pairwise form (C*SUB*K work), pairs across sub-blocks use matmuls.
+_SUB = 8  # measured fastest on CPU among 4, 8, 16, 32 (fwd+bwd, K=128)
+
+
+# --------------------------------------------------------------------------- checks
+def _shape_error(name: str, expected: str, t: Tensor) -> ValueError:
+    return ValueError(f"kda: {name} must be {expected}, got shape {tuple(t.shape)}")
+
+
+def _check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None
+) -> tuple[int, int, int, int, int, int]:
+    """Validate the layouts; return (B, T, H, K, HV, V)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"kda: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"kda: {name} must be a floating tensor, got dtype {t.dtype}")
+    if q.dim() != 4:
+        raise _shape_error("q", "[B, T, H, K]", q)
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise _shape_error("k", f"[B, T, H, K] = {tuple(q.shape)} like q", k)
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        raise _shape_error("v", f"[B={B}, T={T}, HV, V]", v)
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"kda: value heads HV={HV} must be a multiple of q/k heads H={H}")
+    if g.shape != (B, T, HV, K):
+        raise _shape_error("g", f"[B, T, HV, K] = {(B, T, HV, K)}", g)
+    if beta.shape != (B, T, HV):
+        raise _shape_error("beta", f"[B, T, HV] = {(B, T, HV)}", beta)
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
+            raise TypeError("kda: initial_state must be a floating torch.Tensor [B, HV, K, V]")
+        if initial_state.shape != (B, HV, K, V):
+            raise _shape_error("initial_state", f"[B, HV, K, V] = {(B, HV, K, V)}", initial_state)
+    return B, T, H, K, HV, V
+
+
+def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _state_dtype(cd: torch.dtype) -> torch.dtype:
+    return torch.float64 if cd == torch.float64 else torch.float32
+
+
+def _prepare(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, cd: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Cast, scale q, repeat q/k over their value-head group, move heads first: [B, HV, T, D]."""
+    H, K, HV = q.shape[2], q.shape[3], v.shape[2]
+    scale = K**-0.5 if scale is None else float(scale)
+    rep = HV // H
+    q = q.to(cd) * scale
+    k = k.to(cd)
+    if rep > 1:  # grouped value heads: head h serves value heads h*rep ... h*rep+rep-1
+        q = q.repeat_interleave(rep, dim=2)
+        k = k.repeat_interleave(rep, dim=2)
+    return (
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.to(cd).transpose(1, 2),
+        g.to(cd).transpose(1, 2),
+        beta.to(cd).transpose(1, 2),
+    )
+
+
+# ------------------------------------------------------------------------ recurrent
+def kda_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Token-by-token KDA (the oracle; also the 1-token decode step). Same contract as kda_chunk."""
+    B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state)
+    cd = _compute_dtype(q, k, v, g, beta, initial_state)
+    qh, kh, vh, gh, bh = _prepare(q, k, v, g, beta, scale, cd)
+    S = (
+        q.new_zeros(B, HV, K, V, dtype=cd)
+        if initial_state is None
+        else initial_state.to(device=q.device, dtype=cd)
+    )
+    outs = []
+    for t in range(T):
+        kt = kh[:, :, t]  # [B, HV, K]
+        S = S * gh[:, :, t].exp().unsqueeze(-1)
+        pred = torch.einsum("bhk,bhkv->bhv", kt, S)
+        delta = bh[:, :, t, None] * (vh[:, :, t] - pred)
+        S = S + kt.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", qh[:, :, t], S))
+    o = torch.stack(outs, dim=1) if T > 0 else v.new_zeros(B, 0, HV, V, dtype=cd)
+    final = S.to(_state_dtype(cd)) if output_final_state else None
+    return o.to(v.dtype), final
+
+
+# -------------------------------------------------------------------------- chunked
+def _intra_chunk_grams(q: Tensor, k: Tensor, gam: Tensor, sub: int) -> tuple[Tensor, Tensor]:
+    """Decayed Gram matrices inside each chunk.
+
+    q, k, gam: [..., C, K] (gam = cumulative log decay within the chunk).
+    Returns A_qk[r, c] = sum_d q_r k_c exp(gam_r - gam_c) for c <= r (0 above), and
+    A_kk, the same with k on the left, strictly lower (0 on and above the diagonal).
+    """
+    C, K = k.shape[-2], k.shape[-1]
+    if C % sub != 0:
+        sub = C
+    ns = C // sub
+    lead = k.shape[:-2]
+    neg_inf = torch.tensor(float("-inf"), dtype=gam.dtype, device=gam.device)
+
+    # Pairs inside a sub-block: exact pairwise differences, upper triangle masked before exp.
+    gb = gam.reshape(*lead, ns, sub, K)
+    kb = k.reshape(*lead, ns, sub, K)
+    xb = torch.stack((q.reshape(*lead, ns, sub, K), kb), dim=-1)  # [..., ns, sub, K, 2]
+    incl = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
+    diff = gb.unsqueeze(-2) - gb.unsqueeze(-3)  # [..., ns, r, c, K]
+    decay = torch.where(incl[:, :, None], diff, neg_inf).exp()
+    diag = torch.matmul(decay * kb.unsqueeze(-3), xb)  # [..., ns, r, c, 2]
+    eye_ns = torch.eye(ns, dtype=k.dtype, device=k.device)
+    # Place the ns diagonal blocks on the block diagonal of a [C, C] matrix.
+    blockdiag = (diag.unsqueeze(-3) * eye_ns[:, None, :, None, None]).reshape(*lead, C, C, 2)
+
+    if ns > 1:
+        # Pairs across sub-blocks: row r in block i >= 1, column c < i*sub. Pivot p_i =
+        # gam at the last row of block i-1: exp(gam_r - gam_c) = exp(gam_r - p_i) *
+        # exp(p_i - gam_c), both exponents <= 0, so neither factor can overflow.
+        piv = gam[..., sub - 1 : C - 1 : sub, :]  # [..., ns-1, K]
+        rows = gb[..., 1:, :, :]  # [..., ns-1, sub, K]
+        lq = q.reshape(*lead, ns, sub, K)[..., 1:, :, :] * (rows - piv.unsqueeze(-2)).exp()
+        lk = kb[..., 1:, :, :] * (rows - piv.unsqueeze(-2)).exp()
+        cols = gam[..., : C - sub, :]  # [..., C-sub, K]
+        col_ok = (
+            torch.arange(C - sub, device=k.device)[None, :]
+            < (torch.arange(1, ns, device=k.device)[:, None] * sub)
+        )  # [ns-1, C-sub]
+        expo = torch.where(col_ok[:, :, None], piv.unsqueeze(-2) - cols.unsqueeze(-3), neg_inf)
+        right = k[..., : C - sub, :].unsqueeze(-3) * expo.exp()  # [..., ns-1, C-sub, K]
+        left = torch.cat((lq, lk), dim=-2)  # [..., ns-1, 2*sub, K]
+        off = torch.matmul(left, right.transpose(-1, -2))  # [..., ns-1, 2*sub, C-sub]
+        off_q = off[..., :sub, :].reshape(*lead, C - sub, C - sub)
+        off_k = off[..., sub:, :].reshape(*lead, C - sub, C - sub)
+        a_qk = blockdiag[..., 0] + F.pad(off_q, (0, sub, sub, 0))
+        a_kk = blockdiag[..., 1] + F.pad(off_k, (0, sub, sub, 0))
+    else:
+        a_qk, a_kk = blockdiag[..., 0], blockdiag[..., 1]
+    a_kk = a_kk.tril(-1)  # the delta-rule system uses strictly earlier keys only
+    return a_qk, a_kk
+
+
+def kda_chunk(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked KDA in PyTorch (training path; plain autograd).
+
+    Returns o [B, T, HV, V] in v's dtype and, if output_final_state, the state
+    [B, HV, K, V] (float32; float64 when computing in float64), else None.
+    Intra-chunk work is batched over all chunks; only the state recursion loops.
+    """
+    B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"kda_chunk: chunk_size must be a positive int, got {chunk_size!r}")
+    cd = _compute_dtype(q, k, v, g, beta, initial_state)
+    qh, kh, vh, gh, bh = _prepare(q, k, v, g, beta, scale, cd)
+    S = (
+        q.new_zeros(B, HV, K, V, dtype=cd)
+        if initial_state is None
+        else initial_state.to(device=q.device, dtype=cd)
+    )
+    if T == 0:
+        return v.new_zeros(B, 0, HV, V), (S.to(_state_dtype(cd)) if output_final_state else None)
+
+    C = chunk_size
+    N = -(-T // C)
+    pad = N * C - T
+    if pad:
+        # Padded steps are no-ops: no decay (g=0), no write (beta=0, k=0), no read (q=0).
+        qh, kh, vh, gh = (F.pad(x, (0, 0, 0, pad)) for x in (qh, kh, vh, gh))
+        bh = F.pad(bh, (0, pad))
+    qc, kc, vc, gc = (x.reshape(B, HV, N, C, x.shape[-1]) for x in (qh, kh, vh, gh))
+    bc = bh.reshape(B, HV, N, C, 1)
+
+    gam = gc.cumsum(dim=-2)  # cumulative log decay inside each chunk, <= 0, decreasing
+    a_qk, a_kk = _intra_chunk_grams(qc, kc, gam, _SUB)
+
+    # WY form: (I + diag(beta) A_kk) [W | U] = diag(beta) [exp(gam) * K | V].
+    rhs = bc * torch.cat((kc * gam.exp(), vc), dim=-1)
+    sol = torch.linalg.solve_triangular(bc * a_kk, rhs, upper=False, unitriangular=True)
+    w, u = sol[..., :K], sol[..., K:]
+
+    g_last = gam[..., -1:, :]  # [B, HV, N, 1, K]
+    k_to_end = kc * (g_last - gam).exp()  # key weights for the end-of-chunk state
+    chunk_decay = g_last.squeeze(-2).exp().unsqueeze(-1)  # [B, HV, N, K, 1]
+
+    # Only the state recursion is sequential over chunks. unbind (not u[:, :, n]) so the
+    # backward is one stack instead of N zero-filled full-size index gradients.
+    states, v_new = [], []
+    k_to_end_t = k_to_end.transpose(-1, -2)
+    for u_n, w_n, d_n, kt_n in zip(u.unbind(2), w.unbind(2), chunk_decay.unbind(2), k_to_end_t.unbind(2)):
+        states.append(S)
+        vn = u_n - w_n @ S
+        v_new.append(vn)
+        S = d_n * S + kt_n @ vn
+    s_in = torch.stack(states, dim=2)  # state entering each chunk: [B, HV, N, K, V]
+    vn_all = torch.stack(v_new, dim=2)  # [B, HV, N, C, V]
+    o = (qc * gam.exp()) @ s_in + a_qk @ vn_all
+
+    o = o.reshape(B, HV, N * C, V)[:, :, :T].transpose(1, 2).to(v.dtype)
+    final = S.to(_state_dtype(cd)) if output_final_state else None
+    return o, final
+
+
+# ------------------------------------------------------------------------- dispatch
+_FLA: tuple | None = None
+
+
+def _load_fla() -> tuple | None:
+    global _FLA
+    if _FLA is None:
+        try:
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda  # type: ignore
+
+            _FLA = (chunk_kda, fused_recurrent_kda)
+        except Exception:  # fla-core absent or its Triton stack unusable here
+            _FLA = ()
+    return _FLA or None
+
+
+def fla_available() -> bool:
+    """True when fla-core's KDA kernels import (they still need CUDA tensors to run)."""
+    return _load_fla() is not None
+
+
+def kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """KDA with backend choice: "auto" (fla-core on CUDA when importable, else torch),
+    "fla" (require fla), "torch" (kda_chunk for T > 1, kda_recurrent for T == 1)."""
+    if backend not in ("auto", "fla", "torch"):
+        raise ValueError(f"kda: backend must be 'auto', 'fla' or 'torch', got {backend!r}")
+    _check_inputs(q, k, v, g, beta, initial_state)
+    T = q.shape[1]
+    fla = _load_fla() if backend != "torch" and q.is_cuda else None
+    if backend == "fla" and fla is None:
+        raise RuntimeError("kda: backend='fla' needs fla-core importable and CUDA tensors")
+    if fla is not None and q.dtype != torch.float64:
+        chunk_kda, fused_recurrent_kda = fla
+        h0 = None if initial_state is None else initial_state.float()
+        if T == 1 and not torch.is_grad_enabled():
+            return fused_recurrent_kda(
+                q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state
+            )
+        return chunk_kda(
+            q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state
+        )
+    if T == 1:
+        return kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state)
+    return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state)
+
+
+# ----------------------------------------------------------------------------- gate
+def kda_gate(
+    f: Tensor, A_log: Tensor, dt_bias: Tensor | None, lower_bound: float | None = None
+) -> Tensor:
+    """Per-channel log decay g (float32, <= 0) from the gate projection f.
+
+    f: [..., H, K] or [..., H*K]; A_log: [H] (any shape with H elements); dt_bias: [H, K],
+    [H*K] or None. Default form: g = -exp(A_log[h]) * softplus(f + dt_bias).
+    Lower-bound ("safe") form, lower_bound=lb < 0: g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias)),
+    so g lies in (lb, 0). Returns [..., H, K] float32.
+    """
+    H = A_log.numel()
+    if H == 0:
+        raise ValueError("kda_gate: A_log is empty")
+    if f.dim() >= 2 and f.shape[-2] == H:
+        K = f.shape[-1]
+        fh = f.float()
+    elif f.dim() >= 1 and f.shape[-1] % H == 0:
+        K = f.shape[-1] // H
+        fh = f.float().reshape(*f.shape[:-1], H, K)
+    else:
+        raise ValueError(f"kda_gate: f must be [..., H={H}, K] or [..., H*K], got shape {tuple(f.shape)}")
+    if dt_bias is not None:
+        if dt_bias.numel() != H * K:
+            raise ValueError(f"kda_gate: dt_bias must have H*K={H * K} elements, got shape {tuple(dt_bias.shape)}")
+        fh = fh + dt_bias.float().reshape(H, K)
+    a = A_log.float().reshape(H, 1)
+    if lower_bound is None:
+        return -a.exp() * F.softplus(fh)
+    if not lower_bound < 0:
+        raise ValueError(f"kda_gate: lower_bound must be negative, got {lower_bound}")
+    return float(lower_bound) * torch.sigmoid(a.exp() * fh)

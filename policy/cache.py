@@ -1,0 +1,149 @@
+"""Inference caches: per-layer state that a forward with `use_cache=True` returns.
+
+KDA layers carry an O(1) recurrent state and the short-conv window; MLA/DSA layers carry the
+compressed latent KV of every past token plus a key-valid mask. With NoPE, attention never looks
+at absolute positions, so rows of different lengths can be batched by padding the key axis with
+invalid (masked) slots; a gap in the middle of a row changes nothing.
+
+Caches are values: forwards return a new ModelCache and never mutate the one passed in, so a
+cache can be forked with `select` and reused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _index(t: Tensor | None, idx: Tensor) -> Tensor | None:
+    return None if t is None else t.index_select(0, idx)
+
+
+@dataclass
+class KDACache:
+    state: Tensor  # [B, HV, K, V] float32
+    conv: Tensor  # [B, W - 1, C_q + C_k + C_v]: the last W-1 projected inputs, oldest first
+
+    @property
+    def batch_size(self) -> int:
+        return self.state.shape[0]
+
+    def select(self, idx: Tensor) -> "KDACache":
+        return KDACache(self.state.index_select(0, idx), self.conv.index_select(0, idx))
+
+    def clone(self) -> "KDACache":
+        return KDACache(self.state.clone(), self.conv.clone())
+
+    @staticmethod
+    def concat(caches: Sequence["KDACache"]) -> "KDACache":
+        return KDACache(torch.cat([c.state for c in caches]), torch.cat([c.conv for c in caches]))
+
+
+@dataclass
+class MLACache:
+    latent: Tensor  # [B, S, kv_lora_rank]: normalised compressed KV
+    k_rope: Tensor  # [B, S, qk_rope_head_dim]: the shared (unrotated) key part
+    valid: Tensor  # [B, S] bool: which key slots hold a real token
+    index_k: Tensor | None = None  # [B, S, index_head_dim]: DSA indexer keys
+
+    @property
+    def batch_size(self) -> int:
+        return self.latent.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.latent.shape[1]
+
+    def select(self, idx: Tensor) -> "MLACache":
+        return MLACache(self.latent.index_select(0, idx), self.k_rope.index_select(0, idx),
+                        self.valid.index_select(0, idx), _index(self.index_k, idx))
+
+    def clone(self) -> "MLACache":
+        return MLACache(self.latent.clone(), self.k_rope.clone(), self.valid.clone(),
+                        None if self.index_k is None else self.index_k.clone())
+
+    def append(self, latent: Tensor, k_rope: Tensor, index_k: Tensor | None) -> "MLACache":
+        """A new cache with T new (valid) tokens appended to every row."""
+        B, T = latent.shape[:2]
+        ones = torch.ones(B, T, dtype=torch.bool, device=latent.device)
+        ik = None
+        if index_k is not None:
+            ik = index_k if self.index_k is None else torch.cat([self.index_k, index_k], 1)
+        return MLACache(torch.cat([self.latent, latent], 1), torch.cat([self.k_rope, k_rope], 1),
+                        torch.cat([self.valid, ones], 1), ik)
+
+    @staticmethod
+    def concat(caches: Sequence["MLACache"]) -> "MLACache":
+        """Batch rows of different lengths: shorter rows get invalid slots at the end."""
+        S = max(c.seq_len for c in caches)
+
+        def pad(t: Tensor, value: float | bool = 0) -> Tensor:
+            extra = S - t.shape[1]
+            if extra == 0:
+                return t
+            fill = t.new_full((t.shape[0], extra, *t.shape[2:]), value)
+            return torch.cat([t, fill], 1)
+
+        has_index = [c.index_k is not None for c in caches]
+        if any(has_index) and not all(has_index):
+            raise ValueError("MLACache.concat: some caches carry DSA indexer keys and some do not")
+        return MLACache(
+            torch.cat([pad(c.latent) for c in caches]),
+            torch.cat([pad(c.k_rope) for c in caches]),
+            torch.cat([pad(c.valid, False) for c in caches]),
+            torch.cat([pad(c.index_k) for c in caches]) if all(has_index) else None,
+        )
+
+
+LayerCache = KDACache | MLACache
+
+
+class ModelCache:
+    """One cache per decoder layer plus the number of tokens each row has consumed."""
+
+    def __init__(self, layers: list[LayerCache], lengths: Tensor) -> None:
+        self.layers = layers
+        self.lengths = lengths  # [B] long
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> LayerCache:
+        return self.layers[i]
+
+    def select(self, index: Tensor | Sequence[int]) -> "ModelCache":
+        """Rows reordered / repeated / dropped (e.g. fork one prompt into a group). New object."""
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.lengths.device).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.batch_size):
+            raise IndexError(f"ModelCache.select: index out of range for batch size {self.batch_size}")
+        return ModelCache([c.select(idx.to(_device(c))) for c in self.layers], self.lengths.index_select(0, idx))
+
+    def clone(self) -> "ModelCache":
+        return ModelCache([c.clone() for c in self.layers], self.lengths.clone())
+
+    @staticmethod
+    def concat(caches: Sequence["ModelCache"]) -> "ModelCache":
+        """Batch caches along rows; they may have consumed different numbers of tokens."""
+        if not caches:
+            raise ValueError("ModelCache.concat: need at least one cache")
+        n = len(caches[0])
+        if any(len(c) != n for c in caches):
+            raise ValueError(f"ModelCache.concat: caches have different layer counts {[len(c) for c in caches]}")
+        layers: list[LayerCache] = []
+        for i in range(n):
+            kinds = {type(c.layers[i]) for c in caches}
+            if len(kinds) != 1:
+                raise ValueError(f"ModelCache.concat: layer {i} mixes cache kinds {sorted(k.__name__ for k in kinds)}")
+            layers.append(kinds.pop().concat([c.layers[i] for c in caches]))
+        return ModelCache(layers, torch.cat([c.lengths for c in caches]))
+
+
+def _device(c: LayerCache) -> torch.device:
+    return c.state.device if isinstance(c, KDACache) else c.latent.device

@@ -1,0 +1,102 @@
+"""KDA mixer layer: projections, short convs, gates and output norm around kernels.kda.
+
+Parameter names follow the HF `kimi_k3` / `kimi_linear` checkpoints (self_attn.*):
+q_proj, k_proj, v_proj, {q,k,v}_conv1d.weight [C, 1, W], f_a_proj, f_b_proj, A_log [HV],
+dt_bias [HV*K], b_proj, g_proj (full-rank output gate) or g_a_proj/g_b_proj (low rank),
+o_norm, o_proj.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kernels.kda import kda, kda_gate
+
+from ..cache import KDACache
+from ..config import ModelConfig
+from ._ops import l2norm, short_conv
+from .norms import GatedRMSNorm
+
+
+class ConvWeight(nn.Module):
+    """Holds a depthwise conv kernel under the checkpoint name `<x>_conv1d.weight`."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+        bound = 1.0 / math.sqrt(width)  # PyTorch's Conv1d default (fan_in = width for depthwise)
+        nn.init.uniform_(self.weight, -bound, bound)
+
+
+class KDAMixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.layer_idx = layer_idx
+        self.H, self.HV, self.K, self.V = cfg.linear_num_heads, cfg.num_v_heads, cfg.linear_head_dim, cfg.v_dim
+        self.W = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        self.lower_bound = cfg.gate_lower_bound if cfg.kda_gate == "lower_bound" else None
+        self.neg_eigval = cfg.kda_allow_neg_eigval
+        qk, vd = self.H * self.K, self.HV * self.V
+        self.q_proj = nn.Linear(d, qk, bias=False)
+        self.k_proj = nn.Linear(d, qk, bias=False)
+        self.v_proj = nn.Linear(d, vd, bias=False)
+        self.q_conv1d = ConvWeight(qk, self.W)
+        self.k_conv1d = ConvWeight(qk, self.W)
+        self.v_conv1d = ConvWeight(vd, self.W)
+        # low-rank channel-wise forget gate: d -> K -> HV*K
+        self.f_a_proj = nn.Linear(d, self.K, bias=False)
+        self.f_b_proj = nn.Linear(self.K, self.HV * self.K, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.HV, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.HV * self.K, dtype=torch.float32))
+        self.b_proj = nn.Linear(d, self.HV, bias=False)
+        self.full_rank_gate = cfg.use_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(d, vd, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, self.K, bias=False)
+            self.g_b_proj = nn.Linear(self.K, vd, bias=False)
+        self.o_norm = GatedRMSNorm(self.V, eps=cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(vd, d, bias=False)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        # A_log ~ log U(1, 16); dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 0.1] (fla's init)
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def conv_channels(self) -> int:
+        return 2 * self.H * self.K + self.HV * self.V
+
+    def empty_cache(self, batch: int, device: torch.device, dtype: torch.dtype) -> KDACache:
+        return KDACache(torch.zeros(batch, self.HV, self.K, self.V, device=device, dtype=torch.float32),
+                        torch.zeros(batch, self.W - 1, self.conv_channels(), device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None,
+                use_cache: bool = False) -> tuple[torch.Tensor, KDACache | None]:
+        B, T, _ = x.shape
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+        window = None if cache is None else cache.conv
+        qkv, new_window = short_conv(qkv, weight, window=window)
+        qk = self.H * self.K
+        q = qkv[..., :qk].reshape(B, T, self.H, self.K)
+        k = qkv[..., qk:2 * qk].reshape(B, T, self.H, self.K)
+        v = qkv[..., 2 * qk:].reshape(B, T, self.HV, self.V)
+        q, k = l2norm(q), l2norm(k)  # the kernel uses q, k as given
+        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, self.HV, self.K)  # explicit heads: no shape guessing
+        g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if self.neg_eigval:
+            beta = 2.0 * beta  # eigenvalues of (I - beta k k^T) in [-1, 1]
+        state = None if cache is None else cache.state
+        o, final = kda(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o, gate.reshape(B, T, self.HV, self.V)).reshape(B, T, self.HV * self.V)
+        new_cache = KDACache(final, new_window) if use_cache else None
+        return self.o_proj(o), new_cache

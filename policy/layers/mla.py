@@ -1,0 +1,173 @@
+"""Gated MLA (NoPE) with a latent KV cache, and gated DSA (MLA + lightning indexer top-k).
+
+Parameter names follow the HF `kimi_k3` / `kimi_linear` checkpoints (self_attn.*):
+q_proj or q_a_proj/q_a_layernorm/q_b_proj, kv_a_proj_with_mqa (kv_lora + rope dims),
+kv_a_layernorm, kv_b_proj, g_proj (output gate), o_proj; DSA adds indexer.{wq_b, wk, k_norm,
+weights_proj} (DeepSeek-V3.2 names). `qk_rope_head_dim` keeps the checkpoint layout of a key part
+shared by all heads, but nothing is rotated (NoPE), so positions never enter the math.
+
+The latent norms use eps 1e-6 (as the HF Kimi Linear code does), the rest cfg.rms_norm_eps.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.ops import topk_to_mask
+
+from ..cache import MLACache
+from ..config import ModelConfig
+from ._ops import masked_attention
+from .norms import RMSNorm
+
+_LATENT_EPS = 1e-6
+
+
+class LightningIndexer(nn.Module):
+    """I[t, s] = sum_j w[t, j] ReLU(q_I[t, j] . k_I[s]), w = W_w x * H_I^-0.5 * d_I^-0.5."""
+
+    def __init__(self, cfg: ModelConfig, q_in_dim: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(q_in_dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k_norm(self.wk(x))  # [B, T, d_I]
+
+    def scores(self, x: torch.Tensor, q_in: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq_b(q_in).reshape(B, T, self.n_heads, self.head_dim).float()
+        dots = torch.relu(torch.einsum("bthd,bsd->bths", q, keys.float()))
+        w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        return torch.einsum("bth,bths->bts", w, dots)  # [B, T, S]
+
+
+def _kl_to_indexer(p: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Mean over queries of KL(p || softmax(logits)) restricted to `allowed` keys (p renormalised)."""
+    p = torch.where(allowed, p, torch.zeros_like(p))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
+    logq = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    term = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - logq), torch.zeros_like(p))
+    return term.sum(-1).mean()
+
+
+class MLAMixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, sparse: bool = False) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.layer_idx = layer_idx
+        self.H, self.nope, self.rope, self.vd = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
+                                                 cfg.qk_rope_head_dim, cfg.v_head_dim)
+        self.kv_lora, self.q_lora = cfg.kv_lora_rank, cfg.q_lora_rank
+        self.qk = self.nope + self.rope
+        self.scale = self.qk ** -0.5
+        if self.q_lora is None:
+            self.q_proj = nn.Linear(d, self.H * self.qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, self.q_lora, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora, eps=_LATENT_EPS)
+            self.q_b_proj = nn.Linear(self.q_lora, self.H * self.qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, eps=_LATENT_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora, self.H * (self.nope + self.vd), bias=False)
+        self.output_gate = cfg.mla_use_output_gate
+        if self.output_gate:
+            self.g_proj = nn.Linear(d, self.H * self.vd, bias=False)
+        self.o_proj = nn.Linear(self.H * self.vd, d, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.H)) if cfg.attention_sink else None
+        self.sparse = sparse
+        self.indexer = LightningIndexer(cfg, self.q_lora or d) if sparse else None
+        # "warmup": dense attention, indexer fit to it; "sparse": top-k selection is used
+        self.dsa_stage = "sparse"
+        self.register_buffer("qk_max", torch.full((self.H,), float("-inf")), persistent=False)
+
+    # ---- pieces --------------------------------------------------------------------------
+    def _query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (q [B, T, H, qk], indexer query input)."""
+        B, T, _ = x.shape
+        if self.q_lora is None:
+            return self.q_proj(x).reshape(B, T, self.H, self.qk), x
+        lat = self.q_a_layernorm(self.q_a_proj(x))
+        return self.q_b_proj(lat).reshape(B, T, self.H, self.qk), lat
+
+    def _new_latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.kv_a_proj_with_mqa(x)
+        return self.kv_a_layernorm(kv[..., :self.kv_lora]), kv[..., self.kv_lora:]
+
+    def empty_cache(self, batch: int, device: torch.device, dtype: torch.dtype) -> MLACache:
+        ik = torch.zeros(batch, 0, self.indexer.head_dim, device=device, dtype=dtype) if self.sparse else None
+        return MLACache(torch.zeros(batch, 0, self.kv_lora, device=device, dtype=dtype),
+                        torch.zeros(batch, 0, self.rope, device=device, dtype=dtype),
+                        torch.zeros(batch, 0, dtype=torch.bool, device=device), ik)
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, use_cache: bool = False,
+                indexer_loss: bool = False) -> tuple[torch.Tensor, MLACache | None, torch.Tensor | None]:
+        B, T, _ = x.shape
+        q, q_in = self._query(x)
+        latent, k_rope = self._new_latents(x)
+        idx_k = self.indexer.keys(x.detach()) if self.sparse else None
+        if cache is None:
+            cache = self.empty_cache(B, x.device, latent.dtype)
+        full = cache.append(latent, k_rope, idx_k)
+        S, past = full.seq_len, cache.seq_len
+
+        kv = self.kv_b_proj(full.latent).reshape(B, S, self.H, self.nope + self.vd)
+        k = torch.cat([kv[..., :self.nope], full.k_rope.unsqueeze(2).expand(B, S, self.H, self.rope)], -1)
+        v = kv[..., self.nope:]
+
+        # key j is visible to new token t when it holds a real token and is not in t's future
+        j = torch.arange(S, device=x.device)
+        t = torch.arange(T, device=x.device)
+        allowed = full.valid[:, None, :] & (j[None, :] <= past + t[:, None])[None]  # [B, T, S]
+        visible, top = allowed, None
+        idx_scores = None
+        if self.sparse and (self.dsa_stage == "sparse" or indexer_loss):
+            idx_scores = self.indexer.scores(x.detach(), q_in.detach(), full.index_k)
+            if self.dsa_stage == "sparse" and self.indexer.topk < S:
+                # stable sort, not topk: ties (ReLU zeros are common) go to the earlier key, so the
+                # choice depends only on the order of real keys, not on gaps from batched caches
+                masked = idx_scores.masked_fill(~allowed, float("-inf"))
+                top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :self.indexer.topk]
+                visible = allowed & topk_to_mask(top, S)
+
+        o = masked_attention(q, k, v, scale=self.scale, causal=True, key_mask=full.valid,
+                             topk_indices=top, sink=self.sinks)  # [B, T, H, vd]
+        if self.output_gate:
+            o = o * torch.sigmoid(self.g_proj(x).float()).reshape(B, T, self.H, self.vd).to(o.dtype)
+        y = self.o_proj(o.reshape(B, T, self.H * self.vd))
+
+        loss = None
+        need_probs = indexer_loss and idx_scores is not None
+        if self.training or need_probs:
+            # logits again, for the statistics only (masked_attention does not expose them)
+            logits = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * self.scale
+            logits = logits.masked_fill(~visible[:, None], float("-inf"))
+            if self.training:
+                with torch.no_grad():  # QK-Clip statistic: the largest scaled logit per head
+                    self.qk_max.copy_(torch.maximum(self.qk_max, logits.detach().amax(dim=(0, 2, 3))))
+            if need_probs:
+                p = torch.softmax(logits.detach(), dim=-1).sum(1)  # heads summed; L1-normalised in the KL
+                loss = _kl_to_indexer(p, idx_scores, visible)
+        return y, (full if use_cache else None), loss
+
+    # ---- QK-Clip ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def qk_clip(self, tau: float) -> torch.Tensor:
+        """Rescale this layer's head-specific q/k weights so the largest logit seen drops to tau.
+        q^C and k^C (nope parts) by sqrt(gamma), q^R (the part meeting the shared key) by gamma.
+        Returns gamma per head and resets the statistic."""
+        gamma = torch.clamp(tau / self.qk_max.clamp_min(1e-30), max=1.0)
+        gamma = torch.where(torch.isfinite(self.qk_max), gamma, torch.ones_like(gamma))
+        if bool((gamma < 1).any()):
+            qw = self.q_proj.weight if self.q_lora is None else self.q_b_proj.weight
+            qw = qw.view(self.H, self.qk, -1)
+            qw[:, :self.nope] *= gamma.sqrt().to(qw.dtype)[:, None, None]
+            qw[:, self.nope:] *= gamma.to(qw.dtype)[:, None, None]
+            kw = self.kv_b_proj.weight.view(self.H, self.nope + self.vd, -1)
+            kw[:, :self.nope] *= gamma.sqrt().to(kw.dtype)[:, None, None]
+        self.qk_max.fill_(float("-inf"))
+        return gamma

@@ -1,0 +1,156 @@
+"""Dense gated MLP and Stable LatentMoE.
+
+    scores = sigmoid(router(x))                       router on the full-dim x, float32
+    idx    = topk(scores + e_bias)                    the bias changes selection only
+    w      = renorm(scores[idx]) * routed_scaling
+    z      = W_down x             (d -> l)            experts live in the latent dim
+    out    = W_up(RMSNorm_l(sum_e w_e Expert_e(z))) + SharedExperts(x)
+
+Names follow the HF `kimi_k3` checkpoints (block_sparse_moe.*): gate.weight,
+gate.e_score_correction_bias, routed_expert_down_proj, routed_expert_norm, routed_expert_up_proj,
+shared_experts.{gate,up,down}_proj. Routed experts are stored stacked (experts.w1 [E, I, l],
+experts.w2 [E, l, I], experts.w3 [E, I, l]); checkpoint.py splits them into experts.{j}.w{1,2,3}.
+
+Balancing without an auxiliary loss (after each optimizer step, no gradient):
+  "bias":     e_bias += rate * sign(mean_load - load_e)
+  "quantile": c_j = the (q+1)-th largest of s_ij + b_j - alpha_i over tokens, alpha_i = the
+              (k+1)-th largest biased score of token i, q = kT/n; e_bias -= rate_q * mean(c_j).
+              (Third-party description of K3's Quantile Balancing, UNVERIFIED; rate_q = 0.5 here.)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ._ops import glu
+from .norms import RMSNorm
+
+_QUANTILE_EMA = 0.5
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with SwiGLU or SiTU-GLU."""
+
+    def __init__(self, dim: int, hidden: int, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), *self.act))
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, n_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, dim, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x.float() @ self.weight.float().t())  # [N, E]
+
+
+class StackedExperts(nn.Module):
+    def __init__(self, n: int, dim: int, hidden: int, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))  # gate
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden))  # down
+        self.w3 = nn.Parameter(torch.empty(n, hidden, dim))  # up
+        self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+
+    def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
+        h = glu(z @ self.w1[e].t(), z @ self.w3[e].t(), *self.act)
+        return h @ self.w2[e].t()
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.n_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_token
+        self.scaling, self.renorm = cfg.routed_scaling_factor, cfg.moe_renormalize
+        self.balance, self.rate = cfg.balance, cfg.bias_update_rate
+        self.latent = cfg.routed_expert_hidden_size
+        self.gate = Router(d, self.n_experts)
+        if self.latent is not None:
+            self.routed_expert_down_proj = nn.Linear(d, self.latent, bias=False)
+            self.routed_expert_up_proj = nn.Linear(self.latent, d, bias=False)
+            self.routed_expert_norm = RMSNorm(self.latent, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
+        self.experts = StackedExperts(self.n_experts, self.latent or d, cfg.moe_intermediate_size, cfg)
+        self.shared_experts = (GatedMLP(d, cfg.moe_intermediate_size * cfg.num_shared_experts, cfg)
+                               if cfg.num_shared_experts > 0 else None)
+        # balancing statistics since the last optimizer step (not saved)
+        self.register_buffer("load", torch.zeros(self.n_experts), persistent=False)
+        self.register_buffer("quantile_shift", torch.zeros(self.n_experts), persistent=False)
+        self.register_buffer("n_stat", torch.zeros(()), persistent=False)
+
+    def route(self, x: torch.Tensor, routing: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, d] -> (weights [N, k] float32, indices [N, k] long). `routing` replays indices."""
+        scores = self.gate(x)
+        if routing is None:
+            with torch.no_grad():
+                idx = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1).indices
+        else:
+            idx = routing
+        w = scores.gather(1, idx)
+        if self.renorm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        if self.training and routing is None:
+            self._record(scores.detach(), idx)
+        return w * self.scaling, idx
+
+    @torch.no_grad()
+    def _record(self, scores: torch.Tensor, idx: torch.Tensor) -> None:
+        self.load += torch.bincount(idx.reshape(-1), minlength=self.n_experts).to(self.load.dtype)
+        if self.balance == "quantile" and scores.shape[0] > 0:
+            n_tok = scores.shape[0]
+            biased = scores + self.gate.e_score_correction_bias
+            kk = min(self.top_k + 1, self.n_experts)
+            alpha = biased.topk(kk, dim=-1).values[:, -1:]  # (k+1)-th largest per token
+            m = biased - alpha  # [N, E]
+            q = int(math.ceil(self.top_k * n_tok / self.n_experts))
+            qq = min(q + 1, n_tok)
+            c = m.topk(qq, dim=0).values[-1]  # (q+1)-th largest per expert
+            self.quantile_shift += c
+        self.n_stat += 1
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Aux-loss-free balancing after an optimizer step; resets the statistics."""
+        if self.n_stat.item() > 0 and self.balance != "none":
+            b = self.gate.e_score_correction_bias
+            if self.balance == "bias":
+                b += self.rate * torch.sign(self.load.mean() - self.load)
+            else:
+                b -= _QUANTILE_EMA * self.quantile_shift / self.n_stat
+        self.load.zero_()
+        self.quantile_shift.zero_()
+        self.n_stat.zero_()
+
+    def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, d]; routing: [B, T, k] or None. Returns (y [B, T, d], indices [B, T, k])."""
+        B, T, d = x.shape
+        flat = x.reshape(-1, d)
+        r = None
+        if routing is not None:
+            r = routing.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
+        w, idx = self.route(flat, r)
+        z = self.routed_expert_down_proj(flat) if self.latent is not None else flat
+        y = torch.zeros(flat.shape[0], z.shape[-1], device=x.device, dtype=torch.float32)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            out = self.experts.expert(e, z[tok])
+            y.index_add_(0, tok, out.float() * w[tok, slot, None])
+        y = y.to(x.dtype)
+        if self.latent is not None:
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.reshape(B, T, d), idx.reshape(B, T, self.top_k)

@@ -1,0 +1,250 @@
+"""HybridForCausalLM: KDA + gated MLA/DSA decoder with Block AttnRes and (Latent)MoE, NoPE.
+
+State-dict names match the HF `kimi_linear` text model (model.embed_tokens, model.layers.N.*,
+model.norm, lm_head); the K3 additions are layers.N.{self_attention,mlp}_res_{norm,proj} and
+model.output_attn_res_{norm,proj}. checkpoint.py adds the `language_model.` prefix of kimi_k3.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cache import ModelCache
+from .config import ModelConfig, get_config
+from .layers.attnres import attn_res_mix
+from .layers.kda import KDAMixer
+from .layers.mla import MLAMixer
+from .layers.moe import GatedMLP, LatentMoE
+from .layers.norms import RMSNorm
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, vocab] float32
+    cache: ModelCache | None = None
+    routing: torch.Tensor | None = None  # [B, T, n_moe_layers, top_k] long
+    indexer_loss: torch.Tensor | None = None  # DSA indexer KL (when requested)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_idx, self.kind = idx, cfg.layer_types[idx]
+        self.attn_res = cfg.attn_res
+        if self.attn_res:
+            self.self_attention_res_norm = RMSNorm(d, eps)
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn: KDAMixer | MLAMixer = (
+            KDAMixer(cfg, idx) if self.kind == "kda" else MLAMixer(cfg, idx, sparse=self.kind == "dsa"))
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.is_moe = cfg.is_moe(idx)
+        if self.is_moe:
+            self.block_sparse_moe = LatentMoE(cfg)
+        else:
+            self.mlp = GatedMLP(d, cfg.intermediate_size, cfg)
+
+    def mix(self, x: torch.Tensor, cache: Any, use_cache: bool, want_idx_loss: bool):
+        if self.kind == "kda":
+            y, c = self.self_attn(x, cache, use_cache)
+            return y, c, None
+        return self.self_attn(x, cache, use_cache, want_idx_loss)
+
+    def ffn(self, x: torch.Tensor, routing: torch.Tensor | None):
+        if self.is_moe:
+            return self.block_sparse_moe(x, routing)
+        return self.mlp(x), None
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        if cfg.attn_res:
+            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class HybridForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = HybridModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # untied
+        self.moe_layer_ids = cfg.moe_layers
+        self.init_weights()
+
+    # ---- init ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                nn.init.zeros_(p)  # AttnRes starts as the uniform mean of its sources
+            elif name.endswith(("A_log", "dt_bias", "conv1d.weight", "sinks")) or p.dim() == 1:
+                continue  # set by their modules (norm weights ones, gates fla-style, sinks 0)
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, KDAMixer):
+                layer.self_attn.reset_gate_parameters()
+        # residual-output projections scaled down with depth (GPT-2 style) for a stable start
+        scale = 1.0 / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2", "routed_expert_up_proj.weight")):
+                p.mul_(scale)
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None, use_cache: bool = False,
+                routing: torch.Tensor | None = None, return_routing: bool = False,
+                return_indexer_loss: bool = False) -> CausalLMOutput:
+        cfg = self.config
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"forward: input_ids must be a LongTensor [B, T], got {shape}")
+        B, T = input_ids.shape
+        if T < 1:
+            raise ValueError("forward: input_ids must hold at least one token (T >= 1)")
+        if cache is not None:
+            if not isinstance(cache, ModelCache) or len(cache) != cfg.num_hidden_layers:
+                raise ValueError(f"forward: cache must be a ModelCache with {cfg.num_hidden_layers} layers")
+            if cache.batch_size != B:
+                raise ValueError(f"forward: cache has batch {cache.batch_size} but input_ids has {B} rows")
+        n_moe, k = len(self.moe_layer_ids), cfg.num_experts_per_token
+        if routing is not None:
+            if tuple(routing.shape) != (B, T, n_moe, k):
+                raise ValueError(f"forward: routing must be [B, T, n_moe_layers, top_k] = {(B, T, n_moe, k)}, "
+                                 f"got {tuple(routing.shape)}")
+            if n_moe and (int(routing.min()) < 0 or int(routing.max()) >= cfg.num_experts):
+                raise ValueError(f"forward: routing holds expert ids outside [0, {cfg.num_experts})")
+
+        x = self.model.embed_tokens(input_ids)
+        new_layers: list[Any] = []
+        chosen: list[torch.Tensor] = []
+        idx_losses: list[torch.Tensor] = []
+        blocks: list[torch.Tensor] = [x]  # AttnRes sources: embedding, completed blocks
+        partial: torch.Tensor | None = None
+        h = x
+        moe_j = 0
+        for i, layer in enumerate(self.model.layers):
+            if cfg.attn_res:
+                if i > 0 and i % cfg.attn_res_block_size == 0 and partial is not None:
+                    blocks.append(partial)  # this layer opens a new block
+                    partial = None
+                srcs = blocks if partial is None else blocks + [partial]
+                h = attn_res_mix(srcs, layer.self_attention_res_norm.weight,
+                                 layer.self_attention_res_proj.weight, cfg.rms_norm_eps)
+            a, c, il = layer.mix(layer.input_layernorm(h), None if cache is None else cache.layers[i],
+                                 use_cache, return_indexer_loss)
+            if il is not None:
+                idx_losses.append(il)
+            new_layers.append(c)
+            if cfg.attn_res:
+                partial = a if partial is None else partial + a
+                h = attn_res_mix(blocks + [partial], layer.mlp_res_norm.weight, layer.mlp_res_proj.weight,
+                                 cfg.rms_norm_eps)
+            else:
+                h = h + a
+            r = routing[:, :, moe_j] if (routing is not None and layer.is_moe) else None
+            m, idx = layer.ffn(layer.post_attention_layernorm(h), r)
+            if idx is not None:
+                chosen.append(idx)
+                moe_j += 1
+            if cfg.attn_res:
+                partial = partial + m
+            else:
+                h = h + m
+        if cfg.attn_res:
+            h = attn_res_mix(blocks + [partial], self.model.output_attn_res_norm.weight,
+                             self.model.output_attn_res_proj.weight, cfg.rms_norm_eps)
+        logits = self.lm_head(self.model.norm(h)).float()
+
+        out_cache = None
+        if use_cache:
+            past = cache.lengths if cache is not None else torch.zeros(B, dtype=torch.long, device=input_ids.device)
+            out_cache = ModelCache(new_layers, past + T)
+        out_routing = None
+        if return_routing:
+            out_routing = (torch.stack(chosen, dim=2) if chosen
+                           else torch.zeros(B, T, 0, k, dtype=torch.long, device=input_ids.device))
+        idx_loss = torch.stack(idx_losses).mean() if idx_losses else None
+        return CausalLMOutput(logits, out_cache, out_routing, idx_loss)
+
+    # ---- training hooks ------------------------------------------------------------------
+    @torch.no_grad()
+    def after_optimizer_step(self) -> dict[str, float]:
+        """MoE bias balancing and QK-Clip; call after every optimizer.step(). Returns a few stats."""
+        stats: dict[str, float] = {}
+        clipped = 0
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.block_sparse_moe.update_bias()
+            if isinstance(layer.self_attn, MLAMixer):
+                if self.config.qk_clip_tau is not None:
+                    gamma = layer.self_attn.qk_clip(self.config.qk_clip_tau)
+                    clipped += int((gamma < 1).sum())
+                else:
+                    layer.self_attn.qk_max.fill_(float("-inf"))
+        stats["qk_clip_heads"] = float(clipped)
+        return stats
+
+    def set_dsa_stage(self, stage: str) -> None:
+        """'warmup': dense attention, only the indexer learns (KL to it); 'sparse': top-k attention."""
+        if stage not in ("warmup", "sparse"):
+            raise ValueError(f"set_dsa_stage: stage must be 'warmup' or 'sparse', got {stage!r}")
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, MLAMixer) and layer.self_attn.sparse:
+                layer.self_attn.dsa_stage = stage
+
+    # ---- conveniences --------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def num_parameters(self) -> dict[str, int]:
+        from .params import count_parameters
+
+        return count_parameters(self)
+
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
+        from .checkpoint import save_pretrained
+
+        save_pretrained(self, path, **kwargs)
+
+
+def build_model(config: str | ModelConfig = "toy", device: str | torch.device | None = None,
+                dtype: torch.dtype | None = None, **overrides: Any) -> HybridForCausalLM:
+    """A model from a preset name or a ModelConfig, with config overrides (e.g. vocab_size=...).
+    device="meta" builds without memory (parameter counting of the large presets)."""
+    cfg = get_config(config, **overrides)
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):
+            model = HybridForCausalLM(cfg)
+    else:
+        model = HybridForCausalLM(cfg)
+        if device is not None:
+            model = model.to(device)
+    if dtype is not None:
+        model = model.to(dtype)
+        _keep_fp32(model)
+    return model
+
+
+def _keep_fp32(model: nn.Module) -> None:
+    """Router, its bias and the KDA decay parameters stay float32 (K3 keeps them so)."""
+    for name, p in model.named_parameters():
+        if name.endswith(("A_log", "dt_bias", "gate.weight", "conv1d.weight")):
+            p.data = p.data.float()
+    for name, b in model.named_buffers():
+        if b.is_floating_point():
+            b.data = b.data.float()

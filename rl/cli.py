@@ -1,0 +1,88 @@
+"""The `rl` command line: train, eval, version, and the env / sandbox / model sub-apps."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from rl import __version__
+from rl.config import ConfigError
+
+app = typer.Typer(help="Agentic multi-domain RL post-training for K3-style hybrid MoE models.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+console = Console()
+
+
+def _mount(module: str, attr: str, name: str, help_text: str) -> None:
+    """Sub-apps live in their own packages; a broken one must not take the whole CLI down."""
+    try:
+        sub = getattr(importlib.import_module(module), attr)
+    except Exception as exc:  # pragma: no cover - only when a package is broken
+        sub = typer.Typer(help=f"{help_text} (unavailable: {type(exc).__name__}: {exc})")
+    app.add_typer(sub, name=name, help=help_text)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+@app.command()
+def train(
+    config: Optional[str] = typer.Argument(None, help="YAML run config, e.g. configs/demo.yaml"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides: train.steps=3 rollout.group_size=4"),
+    resume: Optional[str] = typer.Option(None, "--resume", help="continue the run in this folder from its last checkpoint"),
+) -> None:
+    """Run GRPO on the environments of CONFIG; prints the held-out table at the end."""
+    from rl.trainer import train as run_train
+
+    overrides = list(overrides or [])
+    if resume and config and "=" in config:  # `rl train --resume DIR key=value`
+        overrides.insert(0, config)
+        config = None
+    try:
+        result = run_train(config, overrides, resume=resume, console=console)
+    except ConfigError as exc:
+        _fail(str(exc))
+    console.print(f"done: {result['run_dir']}")
+
+
+@app.command("eval")
+def evaluate(
+    config: str = typer.Argument(..., help="YAML run config naming the environments to evaluate on"),
+    checkpoint: str = typer.Option(..., "--checkpoint", help="a checkpoint folder (…/checkpoints/step_N) or save_pretrained folder"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides"),
+) -> None:
+    """Held-out reward per domain and effort level for a checkpoint."""
+    from rl.evaluate_cmd import evaluate_checkpoint
+
+    try:
+        evaluate_checkpoint(config, checkpoint, list(overrides or []), console=console)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def version() -> None:
+    """Print the versions of this package and of the stack it runs on."""
+    import importlib.metadata as md
+
+    console.print(f"kimi-rl {__version__}")
+    for dist in ("torch", "ray", "deepspeed", "wandb", "datasets", "docker", "vllm"):
+        try:
+            console.print(f"  {dist} {md.version(dist)}")
+        except md.PackageNotFoundError:
+            console.print(f"  {dist} (not installed)")
+    console.print(f"  python {sys.version.split()[0]}")
+
+
+_mount("envs.cli", "env_app", "env", "Environments: list, check, register.")
+_mount("sandbox.cli", "sandbox_app", "sandbox", "Sandboxes: run, ls, gc, build-image.")
+_mount("policy.cli", "model_app", "model", "The policy model: info.")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,120 @@
+"""Starting Ray and the actors of one run (grader pool, environment workers, rollout workers,
+learner, scheduler), with CPU shares that fit a laptop and restart policies for the workers."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rl.config import RunConfig
+from rl.grpo import LossConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def actor_env() -> dict[str, str]:
+    """Environment for every actor: single-threaded torch (many actors share few cores), caches
+    inside the checkout, wandb off in workers."""
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "DS_ACCELERATOR": "cpu",
+    }
+    return env
+
+
+def start_ray(cfg: RunConfig) -> bool:
+    """Join the cluster at `ray.address`, or start a local one. Returns whether we started it."""
+    if ray.is_initialized():
+        return False
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, runtime_env={"env_vars": actor_env()}, log_to_driver=False)
+        return False
+    temp_dir = cfg.ray.temp_dir or str(REPO / ".cache" / "ray")
+    ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             _temp_dir=temp_dir, configure_logging=False, runtime_env={"env_vars": actor_env()})
+    return True
+
+
+@dataclass
+class RunActors:
+    env_workers: list
+    rollout_workers: list
+    scheduler: Any
+    learner: Any | None
+
+    def shutdown(self) -> None:
+        if self.learner is not None:
+            try:
+                ray.get(self.learner.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+        for worker in self.env_workers:  # their grader actors and sandboxes first
+            try:
+                ray.get(worker.close.remote(), timeout=30)
+            except Exception:
+                pass
+        for actor in [*self.rollout_workers, *self.env_workers, self.scheduler, self.learner]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+
+
+def model_spec(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
+    overrides = {**cfg.model.overrides, "vocab_size": vocab_size}
+    return {"preset": cfg.model.preset, "overrides": overrides, "init_from": cfg.model.init_from}
+
+
+def loss_config(cfg: RunConfig) -> LossConfig:
+    t = cfg.train
+    return LossConfig(eps_low=t.eps_low, eps_high=t.eps_high, dual_clip=t.dual_clip, kl_coef=t.kl_coef,
+                      loss_agg=t.loss_agg, norm_len=cfg.rollout.max_context)
+
+
+def start_env_side(cfg: RunConfig, run_id: str) -> list:
+    """The environment workers (each owns its grader pool): needed before the policy exists
+    (reference episodes train the tokenizer and feed the warm-up)."""
+    from rl.env_worker import EnvWorker
+
+    env_specs = {e.name: e.kwargs for e in cfg.envs}
+    grading = {"num_actors": cfg.grader.num_workers, "timeout_s": cfg.grader.timeout_s, "retries": cfg.grader.retries}
+    return [
+        ray.remote(EnvWorker).options(num_cpus=0.25, name=f"env-{run_id}-{i}", max_restarts=2)
+        .remote(env_specs, grading, run_id, cfg.sandbox_backend)
+        for i in range(cfg.rollout.env_workers)
+    ]
+
+
+def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokenizer_dir: str, pad_id: int,
+                      env_workers: list, with_learner: bool = True) -> RunActors:
+    """Rollout workers, the learner and the scheduler that feeds the workers."""
+    from rl.learner import Learner
+    from rl.rollout.worker import RolloutWorker
+    from rl.scheduler import RolloutScheduler, SamplingPlan
+
+    rollout_workers = [
+        ray.remote(RolloutWorker).options(num_cpus=cfg.rollout.worker_cpus, name=f"rollout-{run_id}-{i}",
+                                          max_restarts=cfg.rollout.max_retries + 1, max_task_retries=0)
+        .remote(spec, tokenizer_dir, env_workers, cfg.rollout.max_context, cfg.rollout.record_routing,
+                cfg.seed + 1000 * (i + 1))
+        for i in range(cfg.rollout.num_workers)
+    ]
+    learner = None
+    if with_learner:
+        learner = ray.remote(Learner).options(num_cpus=0.5, name=f"learner-{run_id}").remote(
+            spec, cfg.train.model_dump(), loss_config(cfg), cfg.rollout.temperature, pad_id, cfg.seed)
+    names = [e.name for e in cfg.envs]
+    first = env_workers[0]
+    task_ids = {name: {split: ray.get(first.task_ids.remote(name, split)) for split in ("train", "heldout")}
+                for name in names}
+    plan = SamplingPlan(env_weights={e.name: e.weight for e in cfg.envs}, effort_weights=cfg.effort.weights,
+                        effort_budgets=cfg.effort.budgets, group_size=cfg.rollout.group_size,
+                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed)
+    scheduler = ray.remote(RolloutScheduler).options(num_cpus=0, name=f"scheduler-{run_id}").remote(
+        rollout_workers, env_workers, task_ids, plan, cfg.rollout.max_retries)
+    return RunActors(env_workers, rollout_workers, scheduler, learner)

@@ -1,0 +1,242 @@
+"""Run configuration: YAML file + dotted command-line overrides, validated before anything starts.
+
+Every section forbids unknown keys, so a typo fails at once with the key's dotted path.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+EFFORT_LEVELS = ("low", "medium", "high", "max")
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased as one line that names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RayConfig(Section):
+    address: str | None = None  # None: start a local cluster; "auto" or "ray://host:port": join one
+    num_cpus: int | None = Field(default=None, ge=1)
+    temp_dir: str | None = None  # defaults to <repo>/.cache/ray for a local cluster
+
+
+class ModelSection(Section):
+    preset: str = "toy"
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    vocab_size: int = Field(default=512, ge=300)  # BPE vocabulary trained on the environments' text
+    init_from: str | None = None  # a save_pretrained directory to start from
+
+
+class EnvEntry(Section):
+    name: str
+    weight: float = Field(default=1.0, gt=0)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class EffortConfig(Section):
+    # Tokens the model may generate per assistant turn at each effort level.
+    budgets: dict[str, int] = Field(default_factory=lambda: {"low": 24, "medium": 48, "high": 96, "max": 160})
+    weights: dict[str, float] = Field(default_factory=lambda: {lvl: 1.0 for lvl in EFFORT_LEVELS})
+
+    @field_validator("budgets", "weights")
+    @classmethod
+    def _known_levels(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(value) - set(EFFORT_LEVELS)
+        if unknown:
+            raise ValueError(f"unknown effort level {sorted(unknown)[0]!r}, expected one of {list(EFFORT_LEVELS)}")
+        if not value:
+            raise ValueError("at least one effort level is needed")
+        return value
+
+    @model_validator(mode="after")
+    def _weights_have_budgets(self) -> "EffortConfig":
+        missing = [lvl for lvl, w in self.weights.items() if w > 0 and lvl not in self.budgets]
+        if missing:
+            raise ValueError(f"effort level {missing[0]!r} has a weight but no budget")
+        return self
+
+
+class RolloutConfig(Section):
+    num_workers: int = Field(default=2, ge=1)
+    env_workers: int = Field(default=1, ge=1)
+    groups_per_step: int = Field(default=8, ge=1)  # (prompt, effort) groups per training step
+    group_size: int = Field(default=4, ge=2)  # samples per group (GRPO's G)
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_context: int = Field(default=512, ge=16)  # hard cap on a whole episode's tokens
+    record_routing: bool = True  # routing replay: the learner reuses the experts chosen while sampling
+    worker_cpus: float = Field(default=0.5, gt=0)
+    max_retries: int = Field(default=3, ge=0)  # re-issues of a group whose worker died
+
+
+class GraderConfig(Section):
+    num_workers: int = Field(default=1, ge=1)
+    timeout_s: float = Field(default=30.0, gt=0)
+    retries: int = Field(default=1, ge=0)
+
+
+class TrainConfig(Section):
+    steps: int = Field(default=20, ge=0)
+    lr: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(default=1.0, gt=0)
+    micro_batches: int = Field(default=1, ge=1)
+    eps_low: float = Field(default=0.2, gt=0)
+    eps_high: float = Field(default=0.28, gt=0)  # clip-higher
+    dual_clip: float | None = Field(default=3.0, gt=1)  # bound on the ratio when the advantage is negative
+    kl_coef: float = Field(default=0.0, ge=0)  # off by default; k3 with the ratio correction when on
+    adv_std_norm: Literal["none", "group", "batch"] = "none"
+    loss_agg: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
+    zero_stage: int = Field(default=0, ge=0, le=3)
+    filter_uniform_groups: bool = True  # groups whose rewards all agree carry no signal
+
+
+class WarmupConfig(Section):
+    steps: int = Field(default=0, ge=0)  # supervised steps on the environments' reference solutions
+    batch_size: int = Field(default=32, ge=1)
+    lr: float = Field(default=3e-3, gt=0)
+    tasks_per_env: int = Field(default=200, ge=1)
+
+
+class EvalConfig(Section):
+    tasks_per_env: int = Field(default=32, ge=1)
+    efforts: list[str] = Field(default_factory=lambda: list(EFFORT_LEVELS))
+    temperature: float = Field(default=0.0, ge=0)  # 0 = greedy
+    before_and_after: bool = True
+
+    @field_validator("efforts")
+    @classmethod
+    def _known(cls, value: list[str]) -> list[str]:
+        for lvl in value:
+            if lvl not in EFFORT_LEVELS:
+                raise ValueError(f"unknown effort level {lvl!r}, expected one of {list(EFFORT_LEVELS)}")
+        return value
+
+
+class CheckpointConfig(Section):
+    every: int = Field(default=10, ge=1)
+    keep: int = Field(default=2, ge=1)
+
+
+class LoggingConfig(Section):
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    wandb_project: str = "kimi-rl"
+    progress: bool = True
+
+
+class GateConfig(Section):
+    enabled: bool = True
+    max_tasks: int = Field(default=8, ge=1)
+    allow_failing: bool = False
+
+
+class RunConfig(Section):
+    name: str = "run"
+    seed: int = 0
+    output_dir: str = "runs"
+    ray: RayConfig = Field(default_factory=RayConfig)
+    model: ModelSection = Field(default_factory=ModelSection)
+    envs: list[EnvEntry] = Field(default_factory=list, min_length=1)
+    effort: EffortConfig = Field(default_factory=EffortConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    grader: GraderConfig = Field(default_factory=GraderConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+    sandbox_backend: Literal["auto", "docker", "process"] = "auto"
+
+    @model_validator(mode="after")
+    def _unique_envs(self) -> "RunConfig":
+        names = [e.name for e in self.envs]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"environment {sorted(dup)[0]!r} is listed twice")
+        return self
+
+
+def _describe(error: dict[str, Any]) -> str:
+    path = ".".join(str(p) for p in error["loc"]) or "<root>"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"config error: unknown key '{path}'"
+    if kind == "missing":
+        return f"config error: '{path}' is required"
+    got = error.get("input")
+    got_text = f", got {got!r}" if not isinstance(got, dict) and got is not None else ""
+    return f"config error: '{path}': {error['msg'].rstrip('.')}{got_text}"
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node: Any = tree
+    for i, key in enumerate(keys[:-1]):
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ConfigError(f"config error: '{'.'.join(keys[: i + 1])}' is not an index of the list")
+            node = node[int(key)]
+            continue
+        nxt = node.setdefault(key, {})
+        if not isinstance(nxt, (dict, list)):
+            raise ConfigError(f"config error: '{'.'.join(keys[: i + 1])}' is a value, not a section")
+        node = nxt
+    last = keys[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"config error: '{dotted}' is not an index of the list")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides; values are parsed as YAML (so 3, 1e-4, true, [a, b] work)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"config error: override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"config error: override {item!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def validate(tree: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc.errors()[0])) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config error: no such file {str(path)!r}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config error: {path} is not valid YAML{where}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config error: {path} must hold a mapping at the top level")
+    return validate(apply_overrides(tree, overrides or []))
+
+
+def dump_config(config: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,251 @@
+"""Docker backend: one locked-down container per episode, kept alive across turns.
+
+The container's main process is the sandbox agent (under docker's init), reached over
+a unix socket in a bind-mounted host dir. Commands then cost a fork+exec inside the
+container instead of a docker exec round trip, and the container dies with its owner:
+when the owner's socket closes (close(), crash, SIGKILL) the agent exits, the init
+stops the container and auto-remove deletes it. Labels let `gc` reap whatever a dead
+owner, a finished run or an expired TTL left behind.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from . import _cgroup
+from ._client import AGENT_SOURCE, WORKDIR, AgentConnection, AgentSandbox
+from .base import ExecResult, SandboxError, SandboxLimits
+from .process_backend import STATE_ROOT, _start_time, owner_alive
+
+DEFAULT_IMAGE = os.environ.get("RL_SANDBOX_IMAGE", "rl-sandbox-base:latest")
+LABEL = "rl.sandbox"
+SANDBOX_USER = "1000:1000"
+START_TIMEOUT = 60.0
+HOST = socket.gethostname()
+
+_client_lock = threading.Lock()
+_client: Any = None
+_avail: tuple[float, bool] = (0.0, False)
+
+
+def docker_client() -> Any:
+    """A process-wide docker client with a connection pool big enough for many episodes."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            import docker
+
+            base = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+            _client = docker.DockerClient(base_url=base, timeout=120, max_pool_size=128)
+        return _client
+
+
+def docker_available(timeout: float = 2.0) -> bool:
+    """True when a docker daemon answers (cached for 10 s; never raises)."""
+    global _avail
+    now = time.monotonic()
+    if now - _avail[0] < 10.0:
+        return _avail[1]
+    ok = False
+    try:
+        import docker
+
+        base = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+        c = docker.DockerClient(base_url=base, timeout=timeout)
+        try:
+            ok = bool(c.ping())
+        finally:
+            c.close()
+    except Exception:
+        ok = False
+    _avail = (now, ok)
+    return ok
+
+
+def image_exists(name: str) -> bool:
+    import docker.errors
+
+    try:
+        docker_client().images.get(name)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+
+
+def _cgroup_dir(container_id: str) -> _cgroup.Cgroup | None:
+    """The container's memory cgroup on this host, to tell OOM kills apart."""
+    for cand in (f"/sys/fs/cgroup/memory/docker/{container_id}", f"/sys/fs/cgroup/system.slice/docker-{container_id}.scope",
+                 f"/sys/fs/cgroup/docker/{container_id}"):
+        if Path(cand).is_dir():
+            return _cgroup.Cgroup(container_id, [Path(cand)], not cand.startswith("/sys/fs/cgroup/memory"))
+    return None
+
+
+class DockerSandbox(AgentSandbox):
+    backend = "docker"
+
+    def __init__(self, image: str | None = None, limits: SandboxLimits | None = None,
+                 labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None) -> None:
+        super().__init__(image or DEFAULT_IMAGE, limits or SandboxLimits(), labels, env)
+        self._state = STATE_ROOT / "docker" / self.id
+        self._sock: socket.socket | None = None
+        self.container: Any = None
+        self._cg: _cgroup.Cgroup | None = None
+        try:
+            self._start()
+        except BaseException:
+            self._closed = True
+            self._teardown()
+            raise
+
+    def docker_labels(self) -> dict[str, str]:
+        labels = {f"rl.{k}": v for k, v in self.labels.items()}
+        labels.update({LABEL: "1", "rl.id": self.id, "rl.owner_pid": str(os.getpid()),
+                       "rl.owner_start": str(_start_time(os.getpid()) or ""), "rl.owner_host": HOST,
+                       "rl.expires": f"{self.created + self.limits.ttl:.0f}"})
+        return labels
+
+    def _start(self) -> None:
+        import docker.errors
+
+        lim = self.limits
+        self._state.mkdir(parents=True)
+        os.chmod(self._state, 0o777)  # the non-root user inside creates the socket here
+        sock_path = self._state / "agent.sock"
+        cfg = self._agent_config(socket="/run/rl/agent.sock", connect_timeout=START_TIMEOUT)
+        try:
+            self.container = docker_client().containers.run(
+                self.image, ["python3", "-I", "-S", "-c", AGENT_SOURCE, cfg],
+                name=f"rl-sb-{self.id}", detach=True, auto_remove=True, init=True,
+                labels=self.docker_labels(), hostname="sandbox", user=SANDBOX_USER, working_dir=WORKDIR,
+                network_mode="bridge" if lim.network else "none",
+                mem_limit=f"{lim.cgroup_memory_mb}m", memswap_limit=f"{lim.cgroup_memory_mb}m", nano_cpus=int(lim.cpus * 1e9),
+                pids_limit=lim.pids, read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                tmpfs={WORKDIR: f"size={lim.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
+                       "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
+                volumes={str(self._state): {"bind": "/run/rl", "mode": "rw"}},
+                ulimits=[docker.types.Ulimit(name="nofile", soft=4096, hard=4096)],
+            )
+        except docker.errors.ImageNotFound:
+            raise SandboxError(f"docker image {self.image!r} not found: build it with `rl sandbox build-image`") from None
+        except docker.errors.APIError as e:
+            raise SandboxError(f"docker could not start a sandbox: {e.explanation or e}") from None
+        end = time.monotonic() + START_TIMEOUT
+        while not sock_path.exists():
+            if time.monotonic() > end:
+                raise SandboxError(f"docker sandbox agent did not come up within {START_TIMEOUT:.0f}s")
+            time.sleep(0.002)
+            if time.monotonic() - self.created > 5 and not self._container_running():
+                raise SandboxError(f"docker sandbox exited during start: {self._logs()}")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(sock_path))
+        self._sock = s
+        self._conn = AgentConnection(s.fileno(), s.fileno())
+        try:
+            hello, _ = self._conn.recv(START_TIMEOUT)
+        except Exception as e:
+            raise SandboxError(f"docker sandbox agent did not answer: {e}; {self._logs()}") from None
+        if not hello.get("ready"):
+            raise SandboxError(f"docker sandbox agent said {hello}")
+        self._cg = _cgroup_dir(self.container.id)
+
+    def _container_running(self) -> bool:
+        try:
+            self.container.reload()
+            return self.container.status in ("created", "running")
+        except Exception:
+            return False
+
+    def _logs(self) -> str:
+        try:
+            return self.container.logs(tail=5).decode(errors="replace").strip().replace("\n", " | ")
+        except Exception:
+            return "(no logs: container gone)"
+
+    def exec(self, cmd: Sequence[str] | str, env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: bytes | str | None = None, timeout: float | None = None) -> ExecResult:
+        before = self._cg.oom_kills() if self._cg else 0
+        r = super().exec(cmd, env=env, cwd=cwd, stdin=stdin, timeout=timeout)
+        if self._cg and r.exit_code == 137 and self._cg.oom_kills() > before:
+            from dataclasses import replace
+
+            r = replace(r, error=f"killed: out of memory (limit {self.limits.memory_mb} MiB)")
+        return r
+
+    def _spawn_like(self, labels: Mapping[str, str]) -> "DockerSandbox":
+        return DockerSandbox(self.image, self.limits, labels, self._env)
+
+    def _teardown(self) -> None:
+        import docker.errors
+
+        if self._sock is not None:
+            try:
+                self._sock.close()  # the agent exits on EOF; auto-remove deletes the container
+            except OSError:
+                pass
+        if self.container is not None:
+            try:
+                self.container.remove(force=True)
+            except docker.errors.APIError:
+                pass  # already gone (auto-removed) or being removed
+        shutil.rmtree(self._state, ignore_errors=True)
+
+
+def list_docker_sandboxes() -> list[dict[str, Any]]:
+    out = []
+    for c in docker_client().containers.list(all=True, filters={"label": f"{LABEL}=1"}):
+        lab = c.labels
+        pid = int(lab.get("rl.owner_pid") or 0)
+        start = int(lab["rl.owner_start"]) if lab.get("rl.owner_start") else None
+        local = lab.get("rl.owner_host") == HOST
+        out.append({"id": lab.get("rl.id", c.short_id), "backend": "docker", "container": c.name, "status": c.status,
+                    "image": (c.image.tags or [c.image.short_id])[0] if c.image else "?",
+                    "owner_pid": pid, "owner_host": lab.get("rl.owner_host"),
+                    # owners on other hosts cannot be checked from here: treat as alive
+                    "owner_alive": owner_alive(pid, start) if local else True,
+                    "expires": float(lab.get("rl.expires") or 0) or None,
+                    "labels": {k[3:]: v for k, v in lab.items() if k.startswith("rl.") and k[3:] not in
+                               ("sandbox", "id", "owner_pid", "owner_start", "owner_host", "expires")},
+                    "_container": c})
+    return out
+
+
+def gc_docker_sandboxes(all_: bool = False, run: str | None = None) -> list[str]:
+    """Remove sandbox containers of dead owners, expired TTLs, stopped ones, a run's, or all."""
+    import docker.errors
+
+    removed = []
+    now = time.time()
+    for s in list_docker_sandboxes():
+        if run is not None:
+            stale = s["labels"].get("run") == run
+        else:
+            stale = (all_ or not s["owner_alive"] or (s["expires"] is not None and s["expires"] < now)
+                     or s["status"] not in ("created", "running"))
+        if not stale:
+            continue
+        try:
+            s["_container"].remove(force=True)
+        except docker.errors.APIError:
+            pass
+        shutil.rmtree(STATE_ROOT / "docker" / s["id"], ignore_errors=True)
+        removed.append(s["id"])
+    return removed
+
+
+def raw_docker_run_kwargs(limits: SandboxLimits) -> dict[str, Any]:
+    """The same isolation settings for a plain container (benchmarks compare against it)."""
+    return dict(detach=True, init=True, user=SANDBOX_USER, working_dir=WORKDIR, network_mode="none",
+                mem_limit=f"{limits.cgroup_memory_mb}m", memswap_limit=f"{limits.cgroup_memory_mb}m",
+                nano_cpus=int(limits.cpus * 1e9), pids_limit=limits.pids, read_only=True, cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                tmpfs={WORKDIR: f"size={limits.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
+                       "/tmp": f"size={limits.tmp_mb}m,mode=1777,exec"},
+                labels={LABEL: "1", "rl.id": "raw-bench", "rl.owner_pid": str(os.getpid()),
+                        "rl.owner_start": str(_start_time(os.getpid()) or ""), "rl.owner_host": HOST})
+

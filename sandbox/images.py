@@ -1,0 +1,144 @@
+"""Sandbox images without a registry.
+
+The base image is built from Debian's own packages: `debootstrap --variant=minbase`
+plus python3 (the in-sandbox agent needs it), a non-root `sandbox` user (uid 1000) and
+/work, then `docker import`. Environment images are ordinary Dockerfiles `FROM` the
+base; as the base is local, building them needs no registry.
+"""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .base import SandboxError
+
+BASE_IMAGE = os.environ.get("RL_SANDBOX_IMAGE", "rl-sandbox-base:latest")
+SUITE = "bookworm"
+MIRROR = os.environ.get("RL_SANDBOX_MIRROR", "http://deb.debian.org/debian")
+ROOTFS_CACHE = Path(os.environ.get("RL_SANDBOX_ROOTFS", Path.home() / ".cache" / "rl-sandbox" / "rootfs"))
+
+Log = Callable[[str], None]
+
+
+def _run(argv: list[str], log: Log, timeout: float = 900) -> None:
+    log("$ " + " ".join(argv))
+    p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    if p.returncode != 0:
+        tail = p.stdout.decode(errors="replace").strip().splitlines()[-5:]
+        raise SandboxError(f"{argv[0]} failed (exit {p.returncode}): {' | '.join(tail)}")
+
+
+def build_rootfs(dest: str | os.PathLike[str], packages: list[str] | None = None, log: Log = print) -> Path:
+    """A minimal Debian root filesystem with python3 and the sandbox user, in `dest`."""
+    if shutil.which("debootstrap") is None:
+        raise SandboxError("debootstrap is not installed (apt-get install -y debootstrap)")
+    if os.geteuid() != 0:
+        raise SandboxError("building the base rootfs needs root (debootstrap, chroot)")
+    dest = Path(dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    include = ",".join(["python3", "ca-certificates", *(packages or [])])
+    _run(["debootstrap", "--variant=minbase", f"--include={include}", SUITE, str(dest), MIRROR], log)
+    script = (
+        "set -e; groupadd -g 1000 sandbox; useradd -u 1000 -g 1000 -d /work -M -s /bin/sh sandbox;"
+        "mkdir -p /work /run/rl; chown 1000:1000 /work; chmod 0755 /work;"
+        "apt-get clean; rm -rf /var/lib/apt/lists/* /usr/share/doc/* /usr/share/man/* /usr/share/locale/*"
+    )
+    _run(["chroot", str(dest), "/bin/sh", "-c", script], log)
+    return dest
+
+
+def _tar_stream(root: Path) -> Path:
+    """Pack a rootfs with numeric owners preserved (tar keeps ownership, unlike shutil)."""
+    out = Path(tempfile.mkstemp(prefix="rl-rootfs-", suffix=".tar")[1])
+    subprocess.run(["tar", "--numeric-owner", "-C", str(root), "-cf", str(out), "."], check=True)
+    return out
+
+
+def build_base_image(name: str = BASE_IMAGE, force: bool = False, keep_rootfs: bool = True,
+                     log: Log = print) -> str:
+    """Build (or reuse) the base image; returns its name. Also keeps the rootfs for the process backend."""
+    from .docker_backend import docker_client, image_exists
+
+    if not force and image_exists(name):
+        log(f"image {name} already present")
+        return name
+    t0 = time.time()
+    rootfs = ROOTFS_CACHE / "base" if keep_rootfs else Path(tempfile.mkdtemp(prefix="rl-rootfs-")) / "base"
+    build_rootfs(rootfs, log=log)
+    tarball = _tar_stream(rootfs)
+    try:
+        repo, _, tag = name.partition(":")
+        log(f"docker import {name}")
+        docker_client().api.import_image_from_file(
+            str(tarball), repository=repo, tag=tag or "latest",
+            changes=["WORKDIR /work", "ENV LANG=C.UTF-8", "ENV HOME=/work", "USER 1000:1000",
+                     'CMD ["/bin/sh"]', "LABEL rl.sandbox.base=1"])
+    finally:
+        tarball.unlink(missing_ok=True)
+        if not keep_rootfs:
+            shutil.rmtree(rootfs.parent, ignore_errors=True)
+    if not image_exists(name):
+        raise SandboxError(f"docker import did not produce {name}")
+    log(f"built {name} in {time.time() - t0:.1f}s")
+    return name
+
+
+def build_env_image(tag: str, dockerfile: str | None = None, context: str | os.PathLike[str] | None = None,
+                    network: bool = False, dockerfile_name: str = "Dockerfile", log: Log = print) -> str:
+    """Build an environment image from a Dockerfile (text, or `context`/Dockerfile) FROM the base.
+
+    network=False builds with no network at all: everything must come from the base
+    image or the build context (what "offline" means here).
+    """
+    from .docker_backend import docker_client
+    import docker.errors
+
+    if dockerfile is None and context is None:
+        raise ValueError("give a Dockerfile text or a build context directory")
+    kwargs: dict[str, Any] = {"tag": tag, "rm": True, "forcerm": True, "pull": False,
+                              "network_mode": "default" if network else "none"}
+    try:
+        if context is not None:
+            ctx = Path(context)
+            if dockerfile is not None:  # a text Dockerfile with a context dir: write it beside, remove after
+                temp = ctx / f".Dockerfile.rl-{os.getpid()}"
+                temp.write_text(dockerfile)
+                kwargs["dockerfile"] = temp.name
+                try:
+                    _, logs = docker_client().images.build(path=str(ctx), **kwargs)
+                finally:
+                    temp.unlink(missing_ok=True)
+            else:
+                kwargs["dockerfile"] = dockerfile_name
+                _, logs = docker_client().images.build(path=str(ctx), **kwargs)
+        else:
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tf:
+                data = dockerfile.encode()  # type: ignore[union-attr]
+                info = tarfile.TarInfo("Dockerfile")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+            buf.seek(0)
+            _, logs = docker_client().images.build(fileobj=buf, custom_context=True, **kwargs)
+    except docker.errors.BuildError as e:
+        lines = [str(x.get("stream", x.get("error", ""))).strip() for x in e.build_log if isinstance(x, dict)]
+        raise SandboxError(f"building {tag} failed: {e.msg}; {' | '.join(l for l in lines if l)[-400:]}") from None
+    for entry in logs:
+        if isinstance(entry, dict) and entry.get("stream", "").strip():
+            log(entry["stream"].rstrip())
+    return tag
+
+
+def base_rootfs() -> Path | None:
+    """The base rootfs kept by build_base_image (a process-backend image), if present."""
+    p = ROOTFS_CACHE / "base"
+    return p if (p / "usr" / "bin" / "python3").exists() else None

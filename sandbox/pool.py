@@ -1,0 +1,266 @@
+"""A pool of warm sandboxes: started ahead of demand, capped per node, health-checked.
+
+A sandbox is never reused across episodes (state must not leak between them): acquire()
+hands out a fresh warm one, and closing it (release() or sb.close()) frees its slot,
+which the filler refills in the background.
+
+The TTL of a checked-out sandbox starts at acquire() and is always episode deadline +
+grading time + a margin: a TTL equal to the rollout deadline kills sandboxes while
+their episode is being graded.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from typing import Any, Iterator, Mapping, AsyncIterator
+
+from .base import Sandbox, SandboxError, SandboxLimits, run_blocking
+
+
+class PoolExhausted(SandboxError):
+    """No sandbox could be handed out in time (the per-node cap is reached: back-pressure)."""
+
+
+class SandboxPool:
+    def __init__(self, backend: str = "auto", image: str | None = None, limits: SandboxLimits | None = None, *,
+                 warm: int = 4, max_live: int = 32, episode_deadline: float = 600.0, grading_time: float = 120.0,
+                 ttl_margin: float = 60.0, ttl: float | None = None, max_waiters: int | None = None,
+                 health_interval: float = 5.0, labels: Mapping[str, str] | None = None,
+                 env: Mapping[str, str] | None = None, start_parallelism: int = 2) -> None:
+        if warm < 0 or max_live < 1 or warm > max_live:
+            raise ValueError(f"need 0 <= warm <= max_live and max_live >= 1, got warm={warm} max_live={max_live}")
+        floor = episode_deadline + grading_time
+        if ttl is None:
+            ttl = floor + ttl_margin
+        if ttl <= floor:
+            raise ValueError(f"sandbox ttl {ttl}s must exceed episode deadline + grading time ({floor}s)")
+        from . import resolve_backend
+
+        self.backend = resolve_backend(backend, image)
+        self.image = image
+        self.ttl = float(ttl)
+        self.limits = (limits or SandboxLimits()).with_(ttl=self.ttl)
+        self.warm, self.max_live, self.max_waiters = warm, max_live, max_waiters
+        self.health_interval = health_interval
+        self.labels = dict(labels or {})
+        self.env = dict(env or {})
+        self._idle: collections.deque[Sandbox] = collections.deque()
+        self._busy: set[Sandbox] = set()
+        self._starting = 0
+        self._waiters = 0
+        self._cv = threading.Condition()
+        self._closed = False
+        self.stats: dict[str, int] = collections.Counter()
+        self._last_error: str | None = None
+        self._threads = [threading.Thread(target=self._filler, name=f"sandbox-pool-fill{i}", daemon=True)
+                         for i in range(max(1, start_parallelism))]
+        self._threads.append(threading.Thread(target=self._health, name="sandbox-pool-health", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    # -- counts -----------------------------------------------------------------
+    @property
+    def live(self) -> int:
+        return len(self._idle) + len(self._busy) + self._starting
+
+    def status(self) -> dict[str, Any]:
+        with self._cv:
+            return {"idle": len(self._idle), "busy": len(self._busy), "starting": self._starting,
+                    "waiters": self._waiters, "max_live": self.max_live, "warm": self.warm, "ttl": self.ttl,
+                    "last_error": self._last_error, **self.stats}
+
+    # -- starting ---------------------------------------------------------------
+    def _new(self) -> Sandbox:
+        from . import open_sandbox
+
+        sb = open_sandbox(self.backend, self.image, self.limits, self.labels, self.env)
+        sb.add_close_callback(self._on_closed)
+        return sb
+
+    def _filler(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not (len(self._idle) + self._starting < self.warm and self.live < self.max_live):
+                    self._cv.wait(1.0)
+                if self._closed:
+                    return
+                self._starting += 1
+            sb = None
+            try:
+                sb = self._new()
+                self.stats["started"] += 1
+            except Exception as e:
+                self._last_error = str(e)
+                self.stats["start_failures"] += 1
+            with self._cv:
+                self._starting -= 1
+                if sb is not None and not self._closed:
+                    self._idle.append(sb)
+                self._cv.notify_all()
+            if sb is not None and self._closed:
+                sb.close()
+            if sb is None:
+                time.sleep(1.0)  # do not spin on a broken backend
+
+    def _on_closed(self, sb: Sandbox) -> None:
+        with self._cv:
+            self._busy.discard(sb)
+            try:
+                self._idle.remove(sb)
+            except ValueError:
+                pass
+            self._cv.notify_all()
+
+    # -- handing out ------------------------------------------------------------
+    def acquire(self, timeout: float | None = None, labels: Mapping[str, str] | None = None) -> Sandbox:
+        """A fresh sandbox for one episode; blocks while the node is at its cap.
+
+        Raises PoolExhausted after `timeout` seconds, or at once when `max_waiters`
+        callers are already queued (back-pressure to the scheduler).
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            sb = self._take(end, timeout)
+            if sb is None:  # a slot is free but nothing is warm: cold start in this thread
+                try:
+                    sb = self._new()
+                    self.stats["cold_starts"] += 1
+                finally:
+                    with self._cv:
+                        self._starting -= 1
+                        if sb is not None:
+                            self._busy.add(sb)
+                        self._cv.notify_all()
+            try:
+                sb.set_deadline(self.ttl)  # the TTL clock starts now; also proves it is alive
+            except Exception:
+                self.stats["dead_replaced"] += 1
+                sb.close()
+                continue
+            sb.labels.update(labels or {})
+            self.stats["acquired"] += 1
+            return sb
+
+    def _take(self, end: float | None, timeout: float | None) -> Sandbox | None:
+        """Pop a warm sandbox (marked busy), or reserve a start slot (None), or raise."""
+        with self._cv:
+            if self._closed:
+                raise SandboxError("sandbox pool is closed")
+            if self.max_waiters is not None and self._waiters >= self.max_waiters and not self._idle:
+                self.stats["rejected"] += 1
+                raise PoolExhausted(f"sandbox pool queue full: {self._waiters} waiting, {self.live}/{self.max_live} live")
+            self._waiters += 1
+            try:
+                while True:
+                    if self._idle:
+                        sb = self._idle.popleft()
+                        self._busy.add(sb)
+                        return sb
+                    if self.live < self.max_live:
+                        self._starting += 1
+                        return None
+                    left = None if end is None else end - time.monotonic()
+                    if left is not None and left <= 0:
+                        self.stats["timeouts"] += 1
+                        raise PoolExhausted(f"no sandbox free within {timeout}s: {self.live}/{self.max_live} live")
+                    self._cv.wait(left if left is not None else 1.0)
+                    if self._closed:
+                        raise SandboxError("sandbox pool is closed")
+            finally:
+                self._waiters -= 1
+
+    def release(self, sb: Sandbox) -> None:
+        """End of episode: destroy the sandbox (its slot is refilled with a fresh one)."""
+        sb.close()
+
+    @contextlib.contextmanager
+    def session(self, timeout: float | None = None, labels: Mapping[str, str] | None = None) -> Iterator[Sandbox]:
+        sb = self.acquire(timeout, labels)
+        try:
+            yield sb
+        finally:
+            self.release(sb)
+
+    # -- health -----------------------------------------------------------------
+    def _health(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed, timeout=self.health_interval)
+                if self._closed:
+                    return
+                idle = list(self._idle)
+            for sb in idle:
+                self.check(sb)
+
+    def check(self, sb: Sandbox) -> bool:
+        """Health-check one idle sandbox, refreshing its idle TTL; dead ones are replaced."""
+        try:
+            sb.set_deadline(self.ttl)
+            return True
+        except Exception:
+            with self._cv:
+                try:
+                    self._idle.remove(sb)
+                except ValueError:
+                    return False  # handed out meanwhile: acquire() checks it
+                self.stats["dead_replaced"] += 1
+            sb.close()
+            return False
+
+    def check_all(self) -> int:
+        """Check every idle sandbox now; returns how many were dead."""
+        return sum(not self.check(sb) for sb in list(self._idle))
+
+    def wait_ready(self, n: int | None = None, timeout: float = 60.0) -> bool:
+        """Block until `n` (default: warm) idle sandboxes are ready."""
+        n = self.warm if n is None else n
+        with self._cv:
+            return self._cv.wait_for(lambda: len(self._idle) >= n or self._closed, timeout=timeout)
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            sbs = list(self._idle) + list(self._busy)
+            self._idle.clear()
+            self._cv.notify_all()
+        for sb in sbs:
+            sb.close()
+        for t in self._threads:
+            t.join(timeout=30)
+        with self._cv:  # a start that finished after we looked
+            sbs = list(self._idle) + list(self._busy)
+            self._idle.clear()
+        for sb in sbs:
+            sb.close()
+
+    def __enter__(self) -> "SandboxPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- async twins ------------------------------------------------------------
+    async def aacquire(self, timeout: float | None = None, labels: Mapping[str, str] | None = None) -> Sandbox:
+        return await run_blocking(self.acquire, timeout, labels)
+
+    async def arelease(self, sb: Sandbox) -> None:
+        await run_blocking(self.release, sb)
+
+    @contextlib.asynccontextmanager
+    async def asession(self, timeout: float | None = None,
+                       labels: Mapping[str, str] | None = None) -> AsyncIterator[Sandbox]:
+        sb = await self.aacquire(timeout, labels)
+        try:
+            yield sb
+        finally:
+            await self.arelease(sb)
+
+    async def aclose(self) -> None:
+        await run_blocking(self.close)
+
+    async def await_ready(self, n: int | None = None, timeout: float = 60.0) -> bool:
+        return await run_blocking(self.wait_ready, n, timeout)

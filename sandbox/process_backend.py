@@ -1,0 +1,341 @@
+"""Process backend: a sandbox made of namespaces on this host, no daemon needed.
+
+bubblewrap when present: new user/pid/net/ipc/uts/cgroup namespaces, a read-only view
+of /usr (or of an image rootfs dir), a size-limited tmpfs work dir and /tmp, nothing
+else of the host's filesystem. Without bubblewrap: `unshare` (pid/net/ipc/uts/mount
+namespaces), tmpfs over the host's private dirs, rlimits, and an unprivileged uid.
+Either way a per-sandbox cgroup (when writable) limits memory, pids and CPU, and the
+pid namespace guarantees nothing survives close(): its init dies with the agent.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from . import _cgroup
+from ._client import AGENT_SOURCE, WORKDIR, AgentConnection, AgentSandbox
+from .base import ExecResult, SandboxError, SandboxLimits
+
+STATE_ROOT = Path(os.environ.get("RL_SANDBOX_STATE", Path(tempfile.gettempdir()) / "rl-sandbox"))
+SANDBOX_UID = 1000
+START_TIMEOUT = 30.0
+
+
+def bwrap_path() -> str | None:
+    """bubblewrap, unless RL_SANDBOX_NO_BWRAP=1 forces the unshare fallback (tests use it)."""
+    if os.environ.get("RL_SANDBOX_NO_BWRAP") == "1":
+        return None
+    return shutil.which("bwrap")
+
+
+def _etc_files(state: Path) -> Path:
+    etc = state / "etc"
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "passwd").write_text(f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::{WORKDIR}:/bin/sh\n"
+                                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+    (etc / "group").write_text(f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n")
+    (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+    return etc
+
+
+def _python_for(root: Path) -> str:
+    for cand in ("usr/bin/python3", "usr/local/bin/python3"):
+        if (root / cand).exists():
+            return "/" + cand
+    raise SandboxError(f"no python3 under {root}/usr: the process backend's agent needs one")
+
+
+def _bwrap_argv(root: Path, state: Path, limits: SandboxLimits, info_fd: int) -> list[str]:
+    argv = [bwrap_path() or "bwrap", "--unshare-all", "--new-session", "--cap-drop", "ALL",
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
+    if limits.network:
+        argv.append("--share-net")
+    argv += ["--ro-bind", str(root / "usr"), "/usr"]
+    for top in ("bin", "sbin", "lib", "lib64", "lib32", "libx32"):
+        p = root / top
+        if p.is_symlink():
+            argv += ["--symlink", os.readlink(p), "/" + top]
+        elif p.is_dir():
+            argv += ["--ro-bind", str(p), "/" + top]
+    # only harmless, non-secret parts of /etc; identity files are generated
+    for name in ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "ssl", "ca-certificates",
+                 "mime.types", "nsswitch.conf", "python3", "python3.11"):
+        if (root / "etc" / name).exists():
+            argv += ["--ro-bind", str(root / "etc" / name), "/etc/" + name]
+    if limits.network and (root / "etc/resolv.conf").exists():
+        argv += ["--ro-bind", str(root / "etc/resolv.conf"), "/etc/resolv.conf"]
+    etc = _etc_files(state)
+    for name in ("passwd", "group", "hosts"):
+        argv += ["--ro-bind", str(etc / name), "/etc/" + name]
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--size", str(limits.disk_mb << 20), "--perms", "0755", "--tmpfs", WORKDIR,
+             "--size", str(limits.tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
+             "--remount-ro", "/", "--chdir", WORKDIR, "--info-fd", str(info_fd)]
+    return argv
+
+
+# Fallback without bubblewrap: runs as root inside fresh namespaces, hides the host's
+# private dirs under empty tmpfs, mounts the work dir and /tmp, drops to an unprivileged
+# uid with rlimits, then becomes the agent.
+_UNSHARE_BOOT = r"""
+import os, resource, subprocess, sys
+disk, tmp, mem, nproc, uid, py = sys.argv[1:7]
+def mount(*a): subprocess.run(["mount", *a], check=True)
+mount("--make-rprivate", "/")
+for d in ("/root", "/home", "/srv", "/mnt", "/media", "/opt", "/var", "/run", "/work"):
+    if os.path.isdir(d): mount("-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", d)
+os.makedirs("/work", exist_ok=True)
+mount("-t", "tmpfs", "-o", "size=%s,mode=0755,uid=%s,gid=%s" % (disk, uid, uid), "tmpfs", "/work")
+mount("-t", "tmpfs", "-o", "size=%s,mode=1777" % tmp, "tmpfs", "/tmp")
+resource.setrlimit(resource.RLIMIT_AS, (int(mem), int(mem)))
+resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(disk), int(disk)))
+os.setgroups([]); os.setgid(int(uid)); os.setuid(int(uid))
+child = os.fork()
+if child == 0:
+    os.execv(py, [py, "-I", "-S", "-c", sys.argv[7], sys.argv[8]])
+# we are pid 1 of the namespace: reap orphans until the agent exits, then leave (the
+# kernel kills whatever is left in the namespace when its init exits)
+os.closerange(0, 3)
+while True:
+    try:
+        pid, _ = os.wait()
+    except ChildProcessError:
+        break
+    if pid == child:
+        break
+"""
+
+
+class ProcessSandbox(AgentSandbox):
+    """One sandbox = one namespace tree on this host, driven through its agent."""
+
+    backend = "process"
+
+    def __init__(self, image: str | None = None, limits: SandboxLimits | None = None,
+                 labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None) -> None:
+        super().__init__(image, limits or SandboxLimits(), labels, env)
+        self._root = Path(image) if image else Path("/")
+        if not (self._root / "usr").is_dir():
+            raise SandboxError(f"process backend image must be a rootfs directory with usr/, got {image!r}")
+        self._state = STATE_ROOT / self.id
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ns_init: int | None = None
+        self._cg: _cgroup.Cgroup | None = None
+        _sweep_once()
+        try:
+            self._start()
+        except BaseException:
+            self._closed = True
+            self._teardown()
+            raise
+
+    def _start(self) -> None:
+        lim = self.limits
+        self._state.mkdir(parents=True, exist_ok=False)
+        self._cg = _cgroup.Cgroup.create(self.id, lim.cgroup_memory_mb, lim.pids, lim.cpus)
+        py = _python_for(self._root)
+        cfg = self._agent_config()
+        cg = self._cg
+
+        def in_child() -> None:  # between fork and exec: enter the cgroup before anything can fork
+            if cg is not None:
+                cg.join_self()
+
+        log = open(self._state / "agent.log", "wb")
+        info_r = info_w = -1
+        try:
+            if bwrap_path():
+                info_r, info_w = os.pipe()
+                argv = _bwrap_argv(self._root, self._state, lim, info_w) + [py, "-I", "-S", "-c", AGENT_SOURCE, cfg]
+                pass_fds: Sequence[int] = (info_w,)
+            else:
+                if self._root != Path("/"):
+                    raise SandboxError("process backend images need bubblewrap (not installed)")
+                unshare = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
+                if not lim.network:
+                    unshare.append("--net")
+                argv = unshare + [py, "-I", "-S", "-c", _UNSHARE_BOOT, str(lim.disk_mb << 20), str(lim.tmp_mb << 20),
+                                  str(lim.memory_mb << 20), str(lim.pids), str(SANDBOX_UID), py, AGENT_SOURCE, cfg]
+                pass_fds = ()
+            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                          pass_fds=pass_fds, preexec_fn=in_child, close_fds=True)
+        finally:
+            log.close()
+            if info_w >= 0:
+                os.close(info_w)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._conn = AgentConnection(self._proc.stdout.fileno(), self._proc.stdin.fileno())
+        if info_r >= 0:
+            try:
+                info = _read_all(info_r, START_TIMEOUT)
+                self._ns_init = int(json.loads(info)["child-pid"]) if info.strip() else None
+            finally:
+                os.close(info_r)
+        self._write_meta()
+        try:
+            hello, _ = self._conn.recv(START_TIMEOUT)
+        except Exception as e:
+            detail = (self._state / "agent.log").read_text(errors="replace").strip().splitlines()[-3:]
+            raise SandboxError(f"process sandbox failed to start: {e}; {' | '.join(detail)}") from None
+        if not hello.get("ready"):
+            raise SandboxError(f"process sandbox agent said {hello}")
+
+    def _write_meta(self) -> None:
+        meta = {"id": self.id, "backend": self.backend, "owner_pid": os.getpid(), "owner_start": _start_time(os.getpid()),
+                "pid": self._proc.pid if self._proc else None, "ns_init": self._ns_init, "labels": self.labels,
+                "created": self.created, "expires": self.created + self.limits.ttl, "image": self.image}
+        (self._state / "meta.json").write_text(json.dumps(meta))
+
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def exec(self, cmd: Sequence[str] | str, env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: bytes | str | None = None, timeout: float | None = None) -> ExecResult:
+        before = self._cg.oom_kills() if self._cg else 0
+        r = super().exec(cmd, env=env, cwd=cwd, stdin=stdin, timeout=timeout)
+        if self._cg and r.exit_code == 137 and self._cg.oom_kills() > before:
+            r = _replace_error(r, f"killed: out of memory (limit {self.limits.memory_mb} MiB)")
+        return r
+
+    def set_deadline(self, ttl: float) -> None:
+        super().set_deadline(ttl)
+        try:
+            meta = json.loads((self._state / "meta.json").read_text())
+            meta["expires"] = time.time() + ttl
+            (self._state / "meta.json").write_text(json.dumps(meta))
+        except OSError:
+            pass
+
+    def _spawn_like(self, labels: Mapping[str, str]) -> "ProcessSandbox":
+        return ProcessSandbox(self.image, self.limits, labels, self._env)
+
+    def _teardown(self) -> None:
+        proc = self._proc
+        if proc is not None:
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    if f:
+                        f.close()
+                except OSError:
+                    pass
+            # killing the namespace's init kills every process in the namespace
+            for pid in (self._ns_init, proc.pid):
+                if pid:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._cg is not None:
+            self._cg.remove()
+        shutil.rmtree(self._state, ignore_errors=True)
+
+
+def _replace_error(r: ExecResult, error: str) -> ExecResult:
+    from dataclasses import replace
+
+    return replace(r, error=error)
+
+
+def _read_all(fd: int, timeout: float) -> bytes:
+    import select
+
+    out = b""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        r, _, _ = select.select([fd], [], [], max(0.0, end - time.monotonic()))
+        if not r:
+            break
+        b = os.read(fd, 4096)
+        if not b:
+            break
+        out += b
+        if out.rstrip().endswith(b"}"):
+            break
+    return out
+
+
+def _start_time(pid: int) -> int | None:
+    """Process start time (clock ticks since boot) so a recycled pid is not mistaken for the owner."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def owner_alive(pid: int | None, start: int | None) -> bool:
+    if not pid:
+        return False
+    st = _start_time(int(pid))
+    return st is not None and (start is None or st == start)
+
+
+def list_process_sandboxes() -> list[dict]:
+    out = []
+    try:
+        entries = list(STATE_ROOT.iterdir())
+    except OSError:
+        return out
+    for d in entries:
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = {"id": d.name, "owner_pid": None}
+        meta["owner_alive"] = owner_alive(meta.get("owner_pid"), meta.get("owner_start"))
+        meta["state_dir"] = str(d)
+        out.append(meta)
+    return out
+
+
+def gc_process_sandboxes(all_: bool = False) -> list[str]:
+    """Kill and remove process sandboxes whose owner died or whose TTL passed (or all)."""
+    removed = []
+    now = time.time()
+    live_ids = set()
+    for meta in list_process_sandboxes():
+        stale = all_ or not meta["owner_alive"] or meta.get("expires", now + 1) < now
+        if not stale:
+            live_ids.add(meta["id"])
+            continue
+        for pid in (meta.get("ns_init"), meta.get("pid")):
+            if pid and _start_time(int(pid)) is not None:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+        shutil.rmtree(meta["state_dir"], ignore_errors=True)
+        removed.append(meta["id"])
+    # cgroup dirs left by owners that died (the processes in them died with the agent)
+    for d in _cgroup.find_stale(live_ids):
+        cg = _cgroup.Cgroup(d.name, [d], _cgroup._is_v2())
+        young = time.time() - d.stat().st_mtime < 60 if d.exists() else False  # may be starting right now
+        if d.name[len(_cgroup.PREFIX):] in removed or all_ or (not young and not cg.pids()):
+            cg.remove()
+    return removed
+
+
+_SWEPT = threading.Event()
+
+
+def _sweep_once() -> None:
+    """Reap leftovers of dead owners the first time this process opens a sandbox."""
+    if not _SWEPT.is_set():
+        _SWEPT.set()
+        try:
+            gc_process_sandboxes()
+        except Exception as e:  # never block opening a sandbox on cleanup
+            print(f"sandbox: sweep of stale process sandboxes failed: {e}", file=sys.stderr)

@@ -1,0 +1,219 @@
+"""Layer-level tests: incremental decode == full pass per mixer, DSA/AttnRes/LatentMoE identities,
+bias balancing, QK-Clip, the DSA indexer loss."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policy.config import ConfigError
+from policy.layers.attnres import AttnRes, attn_res_mix
+from policy.layers.kda import KDAMixer
+from policy.layers.mla import MLAMixer
+from policy.layers.moe import LatentMoE
+
+from _policy_tiny import tiny
+
+
+def _steps(layer, x, splits, **kw):
+    """Run x through `layer` in pieces of the given lengths, carrying the cache."""
+    outs, cache, s = [], None, 0
+    for n in splits:
+        y, cache, *_ = layer(x[:, s:s + n], cache, True, **kw)
+        outs.append(y)
+        s += n
+    return torch.cat(outs, 1), cache
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),  # K3 style: lower-bound gate, full-rank output gate
+    dict(kda_gate="softplus", use_full_rank_gate=False, linear_num_v_heads=4, kda_allow_neg_eigval=True),
+])
+def test_kda_decode_matches_full(kw):
+    torch.manual_seed(0)
+    layer = KDAMixer(tiny(**kw), 0)
+    x = torch.randn(2, 13, 32)
+    full, _ = layer(x)
+    inc, cache = _steps(layer, x, [5, 1, 1, 3, 1, 2])
+    torch.testing.assert_close(inc, full, atol=1e-5, rtol=1e-4)
+    assert cache.state.dtype == torch.float32 and cache.conv.shape == (2, 3, layer.conv_channels())
+
+
+@pytest.mark.parametrize("kind,kw", [
+    ("mla", dict(q_lora_rank=None, mla_use_output_gate=False)),  # Kimi Linear form
+    ("mla", dict(q_lora_rank=12, attention_sink=True)),  # gated, q low rank, sink
+    ("dsa", dict(q_lora_rank=12, index_topk=3)),  # top-k smaller than the sequence
+])
+def test_global_decode_matches_full(kind, kw):
+    torch.manual_seed(0)
+    layer = MLAMixer(tiny(**kw), 0, sparse=kind == "dsa")
+    with torch.no_grad():
+        if layer.sinks is not None:
+            layer.sinks.normal_()
+    x = torch.randn(2, 11, 32)
+    full, _, _ = layer(x)
+    inc, cache = _steps(layer, x, [4, 1, 2, 1, 3])
+    torch.testing.assert_close(inc, full, atol=1e-5, rtol=1e-4)
+    assert cache.latent.shape == (2, 11, 8) and bool(cache.valid.all())
+    if kind == "dsa":  # the top-k mask must bite: dense attention differs
+        layer.dsa_stage = "warmup"
+        dense, _, _ = layer(x)
+        assert (dense - full).abs().max() > 1e-4
+
+
+def test_dsa_topk_at_least_T_equals_dense():
+    torch.manual_seed(0)
+    cfg = tiny(q_lora_rank=12, index_topk=16)
+    dsa = MLAMixer(cfg, 0, sparse=True)
+    mla = MLAMixer(cfg, 0, sparse=False)
+    missing = mla.load_state_dict({k: v for k, v in dsa.state_dict().items() if "indexer" not in k})
+    assert not missing.missing_keys
+    x = torch.randn(2, 16, 32)
+    torch.testing.assert_close(dsa(x)[0], mla(x)[0], atol=0, rtol=0)
+
+
+def test_dsa_indexer_kl_trains_only_the_indexer():
+    torch.manual_seed(0)
+    layer = MLAMixer(tiny(q_lora_rank=12, index_topk=4), 0, sparse=True)
+    x = torch.randn(2, 12, 32)
+    for stage in ("warmup", "sparse"):
+        layer.dsa_stage = stage
+        layer.zero_grad()
+        _, _, kl = layer(x, indexer_loss=True)
+        assert kl is not None and kl.item() >= 0
+        kl.backward()
+        grads = {n: p.grad for n, p in layer.named_parameters()}
+        assert all(g is None for n, g in grads.items() if "indexer" not in n), stage
+        assert grads["indexer.wq_b.weight"].abs().sum() > 0
+    layer.dsa_stage = "warmup"
+    opt = torch.optim.Adam(layer.indexer.parameters(), lr=3e-2)
+    first = None
+    for _ in range(30):
+        opt.zero_grad()
+        _, _, kl = layer(x, indexer_loss=True)
+        first = kl.item() if first is None else first
+        kl.backward()
+        opt.step()
+    assert kl.item() < 0.7 * first
+
+
+def test_attnres_zero_query_is_mean():
+    torch.manual_seed(0)
+    mix = AttnRes(32)
+    with torch.no_grad():
+        mix.norm.normal_()  # the key norm must not matter when the query is zero
+    srcs = [torch.randn(2, 5, 32) * (i + 1) for i in range(4)]
+    torch.testing.assert_close(mix(srcs), torch.stack(srcs).mean(0), atol=1e-6, rtol=1e-6)
+    with torch.no_grad():
+        mix.proj.weight.normal_()
+    assert (mix(srcs) - torch.stack(srcs).mean(0)).abs().max() > 1e-3
+    one = attn_res_mix(srcs[:1], mix.norm, mix.proj.weight, 1e-5)
+    torch.testing.assert_close(one, srcs[0])
+
+
+def _standard_moe(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
+    """A plain full-dim MoE written out token by token: sigmoid router, biased top-k,
+    renormalised unbiased weights times the scaling, SwiGLU/SiTU experts, plus shared experts."""
+    from policy.layers._ops import glu
+
+    act = moe.experts.act
+    out = torch.zeros_like(x)
+    scores = torch.sigmoid(x @ moe.gate.weight.t())
+    for n in range(x.shape[0]):
+        idx = torch.topk(scores[n] + moe.gate.e_score_correction_bias, moe.top_k).indices
+        w = scores[n, idx] / scores[n, idx].sum() * moe.scaling
+        for e, we in zip(idx.tolist(), w):
+            h = glu(moe.experts.w1[e] @ x[n], moe.experts.w3[e] @ x[n], *act)
+            out[n] += we * (moe.experts.w2[e] @ h)
+    return out + moe.shared_experts(x)
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_latent_moe_with_identity_projections_is_standard_moe(act):
+    torch.manual_seed(0)
+    cfg = tiny(routed_expert_hidden_size=32, latent_moe_use_norm=False, hidden_act=act,
+               routed_scaling_factor=2.5)
+    moe = LatentMoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+        moe.routed_expert_down_proj.weight.copy_(torch.eye(32))
+        moe.routed_expert_up_proj.weight.copy_(torch.eye(32))
+        moe.gate.e_score_correction_bias.normal_(0, 0.1)
+    x = torch.randn(3, 7, 32)
+    y, idx = moe(x)
+    torch.testing.assert_close(y.reshape(-1, 32), _standard_moe(moe, x.reshape(-1, 32)), atol=1e-5, rtol=1e-5)
+
+
+def test_bias_changes_selection_only():
+    torch.manual_seed(0)
+    moe = LatentMoE(tiny())
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.3)
+    x = torch.randn(40, 32)
+    w0, i0 = moe.route(x)
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias[3] = 10.0  # force expert 3 everywhere
+    w1, i1 = moe.route(x)
+    assert bool((i1 == 3).any(-1).all()) and not torch.equal(i0, i1)
+    scores = torch.sigmoid(x @ moe.gate.weight.t())
+    picked = scores.gather(1, i1)
+    torch.testing.assert_close(w1, picked / picked.sum(-1, keepdim=True) * moe.scaling)
+
+
+@pytest.mark.parametrize("balance,rate", [("bias", 0.02), ("quantile", 0.0)])
+def test_bias_balancing_shrinks_worst_violation(balance, rate):
+    torch.manual_seed(0)
+    moe = LatentMoE(tiny(num_experts=8, balance=balance, bias_update_rate=rate)).train()
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.05)
+        moe.gate.weight[0] += 0.5  # experts 0 and 1 attract almost every token
+        moe.gate.weight[1] += 0.5
+    x = torch.randn(256, 32).abs()
+
+    def violation() -> float:
+        _, idx = moe.route(x)
+        load = torch.bincount(idx.reshape(-1), minlength=8).float()
+        return (load - load.mean()).abs().max().item()
+
+    moe.update_bias()  # clear statistics from the probe above
+    before = violation()
+    moe.update_bias()
+    for _ in range(60):
+        moe.route(x)
+        moe.update_bias()
+    after = violation()
+    assert after < 0.5 * before, (before, after)
+
+
+def test_qk_clip_caps_the_max_logit():
+    torch.manual_seed(0)
+    cfg = tiny(q_lora_rank=12)
+    layer = MLAMixer(cfg, 0).train()
+    with torch.no_grad():
+        layer.q_b_proj.weight.mul_(40)
+        layer.kv_b_proj.weight.mul_(40)
+    x = torch.randn(2, 9, 32)
+
+    def max_logit() -> torch.Tensor:
+        layer.qk_max.fill_(float("-inf"))
+        layer(x)
+        return layer.qk_max.clone()
+
+    tau = 5.0
+    before = max_logit()
+    assert before.max() > tau
+    gamma = layer.qk_clip(tau)
+    assert bool((gamma < 1).any())
+    after = max_logit()
+    assert after.max() <= tau * (1 + 1e-4)
+    small = before <= tau  # heads already under tau are untouched
+    torch.testing.assert_close(after[small], before[small])
+
+
+def test_bad_config_values_fail_with_one_line_messages():
+    for kw, field in [(dict(hidden_size=0), "hidden_size"), (dict(num_experts_per_token=9), "num_experts_per_token"),
+                      (dict(kda_gate="exp"), "kda_gate"), (dict(layer_types=["kda"] * 3), "layer_types"),
+                      (dict(linear_num_v_heads=3), "linear_num_heads"), (dict(hidden_act="gelu"), "hidden_act")]:
+        with pytest.raises(ConfigError, match=field) as e:
+            tiny(**kw)
+        assert "\n" not in str(e.value)

@@ -1,0 +1,71 @@
+"""Config validation: every problem is one line naming the key."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, tree: dict) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+BASE = {"envs": [{"name": "math"}]}
+
+
+def test_demo_config_is_valid():
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    assert cfg.train.steps > 0 and len(cfg.envs) >= 2
+
+
+def test_overrides_are_typed(tmp_path):
+    cfg = load_config(write(tmp_path, BASE), ["train.lr=3e-4", "rollout.group_size=8", "logging.progress=false",
+                                              "envs.0.weight=2"])
+    assert cfg.train.lr == 3e-4 and cfg.rollout.group_size == 8 and cfg.logging.progress is False
+    assert cfg.envs[0].weight == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["train.lrr=1"], "config error: unknown key 'train.lrr'"),
+        (["train.lr=fast"], "config error: 'train.lr': Input should be a valid number"),
+        (["rollout.group_size=1"], "config error: 'rollout.group_size': Input should be greater than or equal to 2"),
+        (["train.loss_agg=sum"], "config error: 'train.loss_agg'"),
+        (["effort.budgets.huge=3"], "unknown effort level 'huge'"),
+        (["train"], "is not of the form key=value"),
+        (["train.lr.x=1"], "config error: 'train.lr' is a value, not a section"),
+    ],
+)
+def test_bad_values_fail_with_one_line_naming_the_key(tmp_path, overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, BASE), overrides)
+    message = str(err.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_unknown_top_level_key_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'trian'"):
+        load_config(write(tmp_path, {**BASE, "trian": {}}))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_duplicate_env_and_no_env(tmp_path):
+    with pytest.raises(ConfigError, match="listed twice"):
+        load_config(write(tmp_path, {"envs": [{"name": "math"}, {"name": "math"}]}))
+    with pytest.raises(ConfigError, match="'envs'"):
+        load_config(write(tmp_path, {"envs": []}))
+
+
+def test_invalid_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
