@@ -155,12 +155,10 @@ class Environment:
         if self.needs_sandbox:
             sb = options.get("sandbox")
             if sb is None:
-                from sandbox import open_sandbox  # imported lazily: envs without sandboxes need no backend
-
-                sb = open_sandbox(backend=self.sandbox_backend, labels={"env": self.name, "task": task["task_id"]})
-                self._owns_sandbox = True
-            self._sandbox = sb
-            self.setup(task, sb)
+                self._open_own_sandbox(task)
+            else:
+                self._sandbox = sb
+                self.setup(task, sb)
         messages = [
             {"role": "system", "content": self.system_prompt},
             {"role": "user", "content": self.prompt(task)},
@@ -285,6 +283,23 @@ class Environment:
         self._final_answer: str | None = None
         self._effort = "medium"
         self._seed: int | None = None
+
+    def _open_own_sandbox(self, task: dict[str, Any], attempts: int = 3) -> None:
+        """Open and set up a sandbox for this episode; a sandbox that fails to start is retried."""
+        from sandbox import open_sandbox  # imported lazily: envs without sandboxes need no backend
+
+        for attempt in range(attempts):
+            try:
+                self._sandbox = open_sandbox(backend=self.sandbox_backend, labels={"env": self.name, "task": task["task_id"]})
+                self._owns_sandbox = True
+                self.setup(task, self._sandbox)
+                return
+            except Exception as exc:  # noqa: BLE001 - start-up failures are infrastructure, retry them
+                self._release_sandbox()
+                if attempt == attempts - 1:
+                    raise RuntimeError(f"{self.name}: could not start the episode sandbox ({attempts} tries): "
+                                       f"{type(exc).__name__}: {exc}") from exc
+                time.sleep(0.05 * (attempt + 1))
 
     def _release_sandbox(self) -> None:
         if self._sandbox is not None and self._owns_sandbox:

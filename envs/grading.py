@@ -13,7 +13,6 @@ import asyncio
 import copy
 import queue
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable

@@ -36,6 +36,19 @@ class EnvQualityError(RuntimeError):
                          + " (pass allow_failing=True to use it anyway)")
 
 
+class GateReport(dict):
+    """The gate's report: a plain JSON-able dict, also readable as attributes (report.ok)."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self, default=str))
+
+
 @dataclass
 class View:
     """What a scripted policy sees: the prompt, the observations so far, the turn number."""
@@ -116,9 +129,10 @@ def _state_digest(env: Environment) -> str | None:
 
 
 _SCAN = r"""
-import json, os, sys
+import json, os, re, sys
 cfg = json.loads(sys.stdin.read())
 probes = [p.encode() for p in cfg["probes"]]
+names = re.compile(cfg["names"], re.IGNORECASE) if cfg["names"] else None
 hits, seen, budget = [], set(), 20000
 for name, value in os.environ.items():
     for i, p in enumerate(probes):
@@ -134,6 +148,8 @@ for root in cfg["roots"]:
             if path in seen or budget <= 0:
                 continue
             seen.add(path); budget -= 1
+            if names is not None and names.search(f):
+                hits.append({"path": path, "probe": -1})
             try:
                 if os.path.getsize(path) > 2_000_000:
                     continue
@@ -148,28 +164,31 @@ print(json.dumps(hits))
 """
 SCAN_ROOTS = [".", "/tmp", "/var/tmp", "/home", "/root", "/srv", "/opt", "/mnt", "/data", "/workspace"]
 MIN_PROBE_CHARS = 6  # shorter strings (like the answer "17") match by chance everywhere
+# file names that look like answers or hidden tests; an env may override `leak_name_pattern`
+LEAK_NAME_PATTERN = r"answer|solution|hidden|expected|oracle|gold|secret"
 
 
 def leak_scan(env: Environment, task: dict[str, Any], messages: list[dict[str, str]]) -> list[dict[str, Any]]:
     """Look for the task's secrets in the prompt and, from inside the sandbox, in every readable file."""
     probes = [p for p in env.leak_probes(task) if isinstance(p, str) and len(p.strip()) >= MIN_PROBE_CHARS]
-    if not probes:
-        return []
-    leaks = []
+    leaks: list[dict[str, Any]] = []
     for m in messages:
         for p in probes:
             if p in m["content"]:
                 leaks.append({"task_id": task["task_id"], "where": f"{m['role']} message", "probe": p[:60]})
     if env.needs_sandbox:
         roots = SCAN_ROOTS + list(getattr(env, "leak_scan_roots", []))
-        r = env.sandbox.exec(["python3", "-c", _SCAN], stdin=json.dumps({"probes": probes, "roots": roots}), timeout=60)
+        names = getattr(env, "leak_name_pattern", LEAK_NAME_PATTERN)
+        r = env.sandbox.exec(["python3", "-c", _SCAN], stdin=json.dumps({"probes": probes, "roots": roots, "names": names}),
+                             timeout=60)
         try:
             hits = json.loads(r.stdout.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
             return leaks + [{"task_id": task["task_id"], "where": "leak scan failed",
                              "probe": (r.stderr or r.stdout or f"exit {r.exit_code}")[:200]}]
         for h in hits:
-            leaks.append({"task_id": task["task_id"], "where": h["path"], "probe": probes[h["probe"]][:60]})
+            what = "a file name that looks like an answer" if h["probe"] < 0 else probes[h["probe"]][:60]
+            leaks.append({"task_id": task["task_id"], "where": h["path"], "probe": what})
     return leaks
 
 
@@ -183,14 +202,14 @@ def _passed(g: Grade) -> bool:
 
 
 def check_env(name: str, env_kwargs: dict[str, Any] | None = None, max_tasks: int = 16, replays: int = 3,
-              seed: int = 0, grader: Any = None, record: bool = True) -> dict[str, Any]:
+              seed: int = 0, grader: Any = None, record: bool = True) -> GateReport:
     """Run the gate on a registered environment; returns the report (report["ok"] is the verdict)."""
     from envs.grading import default_grader
     from envs.registry import make, record_check
 
     env_kwargs = dict(env_kwargs or {})
-    report: dict[str, Any] = {"env": name, "env_kwargs": env_kwargs, "ok": False, "reasons": [], "tasks": 0,
-                              "checked_at": time.time()}
+    report = GateReport({"env": name, "env_kwargs": env_kwargs, "ok": False, "reasons": [], "tasks": 0,
+                         "checked_at": time.time()})
     started = time.perf_counter()
     try:
         env = make(name, **env_kwargs)
@@ -212,7 +231,7 @@ def check_env(name: str, env_kwargs: dict[str, Any] | None = None, max_tasks: in
     return _finish(report, record, record_check)
 
 
-def _finish(report: dict[str, Any], record: bool, record_check: Callable[[str, dict[str, Any]], None]) -> dict[str, Any]:
+def _finish(report: GateReport, record: bool, record_check: Callable[[str, dict[str, Any]], None]) -> GateReport:
     report["ok"] = not report["reasons"]
     if record:
         try:
@@ -258,7 +277,9 @@ def _run_checks(env: Environment, name: str, env_kwargs: dict[str, Any], task_id
                 oracle_fail.append(f"{tid}: reference scored {g.reward} (error={g.error}, details={_short(g.details)})")
             outcomes = {(g.passed, round(g.reward, 9), g.error is None) for g in grades}
             if len(outcomes) > 1:
-                flaky.append(f"{tid}: {len(grades)} replays gave {[(g.passed, g.reward) for g in grades]}")
+                odd = next(g for g in grades if (g.passed, round(g.reward, 9), g.error is None) != outcomes_first(grades))
+                flaky.append(f"{tid}: {len(grades)} replays gave {[(g.passed, g.reward) for g in grades]}; "
+                             f"one differing grade: error={odd.error}, details={_short(odd.details)}")
             # determinism and leaks
             m1, i1 = env.reset(seed=seed, options={"task_id": tid})
             d1 = _state_digest(env)
@@ -267,9 +288,12 @@ def _run_checks(env: Environment, name: str, env_kwargs: dict[str, Any], task_id
             d2 = _state_digest(env)
             if m1 != m2 or d1 != d2:
                 nondet.append(f"{tid}: reset with the same seed gave a different {'prompt' if m1 != m2 else 'sandbox state'}")
-            tm, _ = twin.reset(seed=seed, options={"task_id": tid})
-            if tm != m1:
-                nondet.append(f"{tid}: a freshly built env gives a different prompt")
+            try:  # compared without a reset: no second sandbox needed
+                twin_task = twin.task(tid)
+            except KeyError:
+                twin_task = None
+            if twin_task != task or twin.prompt(twin_task) != env.prompt(task) or twin.reference_actions(tid) != refs:
+                nondet.append(f"{tid}: a freshly built env gives a different task, prompt or reference")
             # null and adversarial policies
             g = grade(run_episode(env, tid, lambda v: NULL_ANSWER, seed, timings)["request"])
             null_pass += _passed(g)
@@ -318,12 +342,17 @@ def _run_checks(env: Environment, name: str, env_kwargs: dict[str, Any], task_id
         reasons.append(f"leaks: {len(leaks)} secret(s) readable by the policy (e.g. task {lk['task_id']}: {lk['where']})")
 
 
+def outcomes_first(grades: list[Grade]) -> tuple[bool, float, bool]:
+    g = grades[0]
+    return (g.passed, round(g.reward, 9), g.error is None)
+
+
 def _short(details: dict[str, Any]) -> str:
     s = json.dumps({k: v for k, v in details.items() if k not in ("traceback",)}, default=str)
     return s if len(s) < 200 else s[:200] + "..."
 
 
-def require_env_ok(name: str, env_kwargs: dict[str, Any] | None = None, allow_failing: bool = False, **kwargs: Any) -> dict[str, Any]:
+def require_env_ok(name: str, env_kwargs: dict[str, Any] | None = None, allow_failing: bool = False, **kwargs: Any) -> GateReport:
     """For the trainer: run the gate; raise EnvQualityError on failure unless allow_failing."""
     report = check_env(name, env_kwargs, **kwargs)
     if not report["ok"] and not allow_failing:

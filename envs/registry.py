@@ -54,6 +54,7 @@ _BUILTINS: list[tuple[str, str, dict[str, Any]]] = [
     ("lookup", "envs.domains.lookup:LookupEnv", {}),
     ("lookup-docs", "envs.domains.lookup:LookupEnv", {"kind": "docs"}),
     ("code", "envs.domains.code:CodeEnv", {}),
+    ("code-generated", "envs.domains.code:CodeEnv", {"kind": "generated"}),
     ("humaneval", "envs.domains.code:CodeEnv", {"kind": "humaneval"}),
     ("shell", "envs.domains.shell:ShellEnv", {}),
     ("shell-fix-test", "envs.domains.shell:ShellEnv", {"kind": "fix_test"}),
@@ -127,7 +128,7 @@ def load_file_class(spec: str) -> type[Environment]:
             del sys.modules[mod_name]
             raise
         try:  # Ray workers cannot import this synthetic module: ship its classes by value
-            import cloudpickle
+            from ray import cloudpickle
 
             cloudpickle.register_pickle_by_value(module)
         except Exception:  # noqa: BLE001 - only needed for the Ray grader pool

@@ -18,10 +18,14 @@ off-diagonal blocks are factored around a pivot between r and c (both factors <=
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kda_chunk", "kda_recurrent", "kda", "kda_gate", "fla_available"]
+__all__ = ["kda_chunk", "kda_recurrent", "kda", "kda_gate", "fla_available", "set_kda_backend", "kda_backend"]
 
 Tensor = torch.Tensor
 
@@ -273,6 +277,30 @@ def fla_available() -> bool:
     return _load_fla() is not None
 
 
+_BACKENDS = ("auto", "fla", "torch")
+# Process-wide default for kda(backend=None); benchmarks flip it to time the torch path.
+_default_backend = os.environ.get("KIMI_KDA_BACKEND", "auto")
+
+
+def set_kda_backend(name: str) -> str:
+    """Set the default backend of kda(): "auto", "fla" or "torch". Returns the previous one."""
+    global _default_backend
+    if name not in _BACKENDS:
+        raise ValueError(f"kda: backend must be 'auto', 'fla' or 'torch', got {name!r}")
+    prev, _default_backend = _default_backend, name
+    return prev
+
+
+@contextmanager
+def kda_backend(name: str) -> Iterator[None]:
+    """Temporarily change kda()'s default backend (e.g. `with kda_backend("torch"): model(x)`)."""
+    prev = set_kda_backend(name)
+    try:
+        yield
+    finally:
+        set_kda_backend(prev)
+
+
 def kda(
     q: Tensor,
     k: Tensor,
@@ -282,17 +310,20 @@ def kda(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    backend: str = "auto",
+    backend: str | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """KDA with backend choice: "auto" (fla-core on CUDA when importable, else torch),
-    "fla" (require fla), "torch" (kda_chunk for T > 1, kda_recurrent for T == 1)."""
-    if backend not in ("auto", "fla", "torch"):
+    """KDA with backend choice (None = the process default, see set_kda_backend):
+    "auto": fla-core on CUDA when importable (chunk_kda; fused_recurrent_kda for a 1-token
+    step without grad), else torch; "fla": require fla-core; "torch": kda_chunk for T > 1,
+    kda_recurrent for T == 1. float64 inputs always take the torch path (fla has no fp64)."""
+    backend = _default_backend if backend is None else backend
+    if backend not in _BACKENDS:
         raise ValueError(f"kda: backend must be 'auto', 'fla' or 'torch', got {backend!r}")
     _check_inputs(q, k, v, g, beta, initial_state)
     T = q.shape[1]
     fla = _load_fla() if backend != "torch" and q.is_cuda else None
-    if backend == "fla" and fla is None:
-        raise RuntimeError("kda: backend='fla' needs fla-core importable and CUDA tensors")
+    if backend == "fla" and (fla is None or q.dtype == torch.float64):
+        raise RuntimeError("kda: backend='fla' needs fla-core importable, CUDA tensors and no float64")
     if fla is not None and q.dtype != torch.float64:
         chunk_kda, fused_recurrent_kda = fla
         h0 = None if initial_state is None else initial_state.float()

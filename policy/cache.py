@@ -75,9 +75,28 @@ class MLACache:
         return MLACache(torch.cat([self.latent, latent], 1), torch.cat([self.k_rope, k_rope], 1),
                         torch.cat([self.valid, ones], 1), ik)
 
+    def compact(self) -> "MLACache":
+        """Pack each row's real keys to the front (order kept) and drop all-invalid tail slots.
+        Exact: every cached key is visible to every new token, and softmax does not care about
+        slot order (DSA's tie-break prefers earlier keys, and the order of real keys is kept)."""
+        n_valid = self.valid.sum(1)
+        S = int(n_valid.max()) if n_valid.numel() else 0
+        if S == self.seq_len and bool(self.valid.all()):
+            return self
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :S]  # real keys first
+
+        def take(t: Tensor | None) -> Tensor | None:
+            if t is None:
+                return None
+            return t.gather(1, order.reshape(*order.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
+
+        return MLACache(take(self.latent), take(self.k_rope), take(self.valid), take(self.index_k))
+
     @staticmethod
     def concat(caches: Sequence["MLACache"]) -> "MLACache":
-        """Batch rows of different lengths: shorter rows get invalid slots at the end."""
+        """Batch rows of different lengths: rows are compacted, shorter rows get invalid slots
+        at the end (so repeated select/concat never grows the key axis past the longest row)."""
+        caches = [c.compact() for c in caches]
         S = max(c.seq_len for c in caches)
 
         def pad(t: Tensor, value: float | bool = 0) -> Tensor:
@@ -127,6 +146,10 @@ class ModelCache:
 
     def clone(self) -> "ModelCache":
         return ModelCache([c.clone() for c in self.layers], self.lengths.clone())
+
+    def compact(self) -> "ModelCache":
+        """Drop the invalid key slots that batching left in the MLA caches (exact)."""
+        return ModelCache([c.compact() if isinstance(c, MLACache) else c for c in self.layers], self.lengths)
 
     @staticmethod
     def concat(caches: Sequence["ModelCache"]) -> "ModelCache":

@@ -8,6 +8,9 @@ Written layout (what K3 loaders expect):
   tensors named language_model.model.layers.N.self_attn.q_proj.weight, ...,
   language_model.model.layers.N.block_sparse_moe.experts.J.w{1,2,3}.weight, language_model.lm_head.weight
 
+Optional (save_pretrained(mxfp4_experts=True)): routed experts as K3 ships them, compressed-tensors
+MXFP4: experts.J.w*.weight_packed + weight_scale, with a quantization_config; read back dequantised.
+
 Also read: a transformers `KimiLinearForCausalLM` directory (model_type "kimi_linear", no prefix,
 either the original names or transformers' runtime names: conv1d stacked, forget_gate.*, mlp.*
 for MoE with experts.gate_up_proj / experts.down_proj).
@@ -26,11 +29,30 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kernels.mx import MXTensor, dequantize_mx, quantize_mx
+
 from .config import ConfigError, ModelConfig
 
 _K3_PREFIX = "language_model."
 _EXPERT_STACK = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(w[123])$")
 _EXPERT_ONE = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT_PACKED = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$")
+_MX_BLOCK = 32
+# tensors K3 keeps in float32 whatever the checkpoint dtype
+_FP32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias", "o_norm.weight")
+_MXFP4_CONFIG: dict[str, Any] = {  # compressed-tensors description of MXFP4 routed experts (as K3)
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "format": "mxfp4-pack-quantized", "targets": ["Linear"], "input_activations": None,
+        "output_activations": None,
+        "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": _MX_BLOCK,
+                    "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8", "observer": "minmax",
+                    "actorder": None, "block_structure": None, "observer_kwargs": {}, "zp_dtype": None}}},
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+               "re:.*lm_head.*", "re:.*routed_expert_.*", "re:.*block_sparse_moe\\.gate$"],
+}
 
 
 # ------------------------------------------------------------------------------- config.json
@@ -201,17 +223,29 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- tensor names
-def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our names -> kimi_k3 names (prefix, one tensor per routed expert)."""
+def to_hf_state_dict(state: dict[str, torch.Tensor], mxfp4_experts: bool = False) -> dict[str, torch.Tensor]:
+    """Our names -> kimi_k3 names (prefix, one tensor per routed expert). With mxfp4_experts the
+    routed experts are written as K3 ships them: w*.weight_packed (uint8, two E2M1 codes per
+    byte, even element in the low nibble) + w*.weight_scale (E8M0 bytes, one per 32 inputs)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         m = _EXPERT_STACK.match(name)
-        if m:
-            for j in range(t.shape[0]):
-                out[f"{_K3_PREFIX}{m.group(1)}.{j}.{m.group(2)}.weight"] = t[j]
-        else:
+        if not m:
             out[_K3_PREFIX + name] = t
+            continue
+        for j in range(t.shape[0]):
+            base = f"{_K3_PREFIX}{m.group(1)}.{j}.{m.group(2)}"
+            if mxfp4_experts:
+                q = quantize_mx(t[j].float(), "fp4", _MX_BLOCK)
+                out[base + ".weight_packed"], out[base + ".weight_scale"] = q.data, q.scales
+            else:
+                out[base + ".weight"] = t[j]
     return out
+
+
+def _expert_shape(cfg: ModelConfig, w: str) -> tuple[int, int]:
+    inner = cfg.routed_expert_hidden_size or cfg.hidden_size
+    return (inner, cfg.moe_intermediate_size) if w == "w2" else (cfg.moe_intermediate_size, inner)
 
 
 def from_hf_state_dict(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -248,6 +282,18 @@ def from_hf_state_dict(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
         if m:
             experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
             continue
+        m = _EXPERT_PACKED.match(name)
+        if m:
+            if m.group(4) == "weight_scale":
+                continue  # read together with its weight_packed
+            scale_name = name[: -len("weight_packed")] + "weight_scale"
+            scales = raw.get(scale_name, raw.get(_K3_PREFIX + scale_name))
+            if scales is None:
+                raise ValueError(f"checkpoint: {name} has no {scale_name}")
+            shape = torch.Size(_expert_shape(cfg, m.group(3)))
+            w = dequantize_mx(MXTensor(t, scales, shape, "fp4", _MX_BLOCK))
+            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = w
+            continue
         if name.endswith(".self_attn.A_log"):
             t = t.reshape(-1)
         out[name] = t
@@ -261,17 +307,24 @@ def from_hf_state_dict(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
 
 # ---------------------------------------------------------------------------------- save/load
 def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = None,
-                    max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> None:
-    """Write config.json + safetensors (sharded with an index above max_shard_bytes)."""
+                    max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
+                    mxfp4_experts: bool = False) -> None:
+    """Write config.json + safetensors (sharded with an index above max_shard_bytes).
+    dtype casts the floating tensors except those K3 keeps in float32; mxfp4_experts stores the
+    routed experts as MXFP4 (compressed-tensors layout, as the K3 release does)."""
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     cfg: ModelConfig = model.config
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if any(v.is_meta for v in state.values()):
         raise ValueError("save_pretrained: the model is on the meta device; nothing to save")
-    hf = to_hf_state_dict(state)
-    hf = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() and v.dtype != torch.float32 else v)
-          .contiguous().cpu() for k, v in hf.items()}
+    hf = to_hf_state_dict(state, mxfp4_experts)
+
+    def cast(k: str, v: torch.Tensor) -> torch.Tensor:
+        keep = not v.is_floating_point() or k.endswith(_FP32_SUFFIXES)
+        return (v if dtype is None or keep else v.to(dtype)).contiguous().cpu()
+
+    hf = {k: cast(k, v) for k, v in hf.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k in sorted(hf):
@@ -295,7 +348,10 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = N
         total = sum(v.numel() * v.element_size() for v in hf.values())
         (d / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (d / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2))
+    conf = hf_config_dict(cfg)
+    if mxfp4_experts:
+        conf["quantization_config"] = conf["text_config"]["quantization_config"] = _MXFP4_CONFIG
+    (d / "config.json").write_text(json.dumps(conf, indent=2))
     if tokenizer is not None:
         tokenizer.save(d)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 LayerType = Literal["kda", "mla", "dsa"]
@@ -46,7 +46,6 @@ class ModelConfig:
     gate_lower_bound: float = -5.0
     use_full_rank_gate: bool = True  # output gate: full-rank g_proj (K3) or g_a/g_b low rank (Kimi Linear)
     kda_allow_neg_eigval: bool = False  # beta = 2 * sigmoid(.) when True
-    kda_chunk_size: int = 64
 
     # ---- MLA / DSA (global attention, NoPE)
     num_attention_heads: int = 2
@@ -122,7 +121,7 @@ class ModelConfig:
 
         for f in ("vocab_size", "hidden_size", "num_hidden_layers", "linear_num_heads", "linear_head_dim",
                   "linear_conv_kernel_dim", "num_attention_heads", "kv_lora_rank", "v_head_dim",
-                  "intermediate_size", "kda_chunk_size"):
+                  "intermediate_size"):
             need(int(getattr(self, f)) > 0, f"{f} must be > 0, got {getattr(self, f)}")
         need(len(self.layer_types) == self.num_hidden_layers,
              f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")

@@ -51,13 +51,16 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(d, cfg.intermediate_size, cfg)
 
-    def mix(self, x: torch.Tensor, cache: Any, use_cache: bool, want_idx_loss: bool):
+    def mix(self, x: torch.Tensor, cache: Any, use_cache: bool,
+            want_idx_loss: bool) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+        """Attention sublayer: (output, new layer cache or None, DSA indexer loss or None)."""
         if self.kind == "kda":
             y, c = self.self_attn(x, cache, use_cache)
             return y, c, None
         return self.self_attn(x, cache, use_cache, want_idx_loss)
 
-    def ffn(self, x: torch.Tensor, routing: torch.Tensor | None):
+    def ffn(self, x: torch.Tensor, routing: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """FFN sublayer: (output, chosen experts [B, T, k] or None for a dense layer)."""
         if self.is_moe:
             return self.block_sparse_moe(x, routing)
         return self.mlp(x), None
@@ -101,7 +104,9 @@ class HybridForCausalLM(nn.Module):
         # residual-output projections scaled down with depth (GPT-2 style) for a stable start
         scale = 1.0 / math.sqrt(2 * self.config.num_hidden_layers)
         for name, p in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2", "routed_expert_up_proj.weight")):
+            writes_residual = name.endswith(("o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
+                                             "routed_expert_up_proj.weight"))
+            if writes_residual or (name.endswith("experts.w2") and self.config.routed_expert_hidden_size is None):
                 p.mul_(scale)
 
     # ---- forward -------------------------------------------------------------------------
@@ -128,46 +133,25 @@ class HybridForCausalLM(nn.Module):
             if n_moe and (int(routing.min()) < 0 or int(routing.max()) >= cfg.num_experts):
                 raise ValueError(f"forward: routing holds expert ids outside [0, {cfg.num_experts})")
 
-        x = self.model.embed_tokens(input_ids)
+        dt = self.model.embed_tokens.weight.dtype  # sublayers run in the model dtype
+        stream = _Residual(self.model.embed_tokens(input_ids), cfg)
         new_layers: list[Any] = []
         chosen: list[torch.Tensor] = []
         idx_losses: list[torch.Tensor] = []
-        blocks: list[torch.Tensor] = [x]  # AttnRes sources: embedding, completed blocks
-        partial: torch.Tensor | None = None
-        h = x
-        moe_j = 0
         for i, layer in enumerate(self.model.layers):
-            if cfg.attn_res:
-                if i > 0 and i % cfg.attn_res_block_size == 0 and partial is not None:
-                    blocks.append(partial)  # this layer opens a new block
-                    partial = None
-                srcs = blocks if partial is None else blocks + [partial]
-                h = attn_res_mix(srcs, layer.self_attention_res_norm.weight,
-                                 layer.self_attention_res_proj.weight, cfg.rms_norm_eps)
-            a, c, il = layer.mix(layer.input_layernorm(h), None if cache is None else cache.layers[i],
+            h = stream.attn_input(layer)
+            a, c, il = layer.mix(layer.input_layernorm(h).to(dt), None if cache is None else cache.layers[i],
                                  use_cache, return_indexer_loss)
+            new_layers.append(c)
             if il is not None:
                 idx_losses.append(il)
-            new_layers.append(c)
-            if cfg.attn_res:
-                partial = a if partial is None else partial + a
-                h = attn_res_mix(blocks + [partial], layer.mlp_res_norm.weight, layer.mlp_res_proj.weight,
-                                 cfg.rms_norm_eps)
-            else:
-                h = h + a
-            r = routing[:, :, moe_j] if (routing is not None and layer.is_moe) else None
-            m, idx = layer.ffn(layer.post_attention_layernorm(h), r)
+            h = stream.add_attn(layer, a)
+            r = routing[:, :, len(chosen)] if (routing is not None and layer.is_moe) else None
+            m, idx = layer.ffn(layer.post_attention_layernorm(h).to(dt), r)
             if idx is not None:
                 chosen.append(idx)
-                moe_j += 1
-            if cfg.attn_res:
-                partial = partial + m
-            else:
-                h = h + m
-        if cfg.attn_res:
-            h = attn_res_mix(blocks + [partial], self.model.output_attn_res_norm.weight,
-                             self.model.output_attn_res_proj.weight, cfg.rms_norm_eps)
-        logits = self.lm_head(self.model.norm(h)).float()
+            stream.add_ffn(m)
+        logits = self.lm_head(self.model.norm(stream.output(self.model)).to(dt)).float()
 
         out_cache = None
         if use_cache:
@@ -220,6 +204,52 @@ class HybridForCausalLM(nn.Module):
         from .checkpoint import save_pretrained
 
         save_pretrained(self, path, **kwargs)
+
+
+class _Residual:
+    """The residual path: plain pre-norm sums, or Block AttnRes.
+
+    AttnRes sources are the embedding, the completed blocks and the running partial block sum,
+    all float32; a layer with layer_idx % block_size == 0 closes the running partial into a block.
+    Each sublayer input is a learned softmax mix of the sources (layers/attnres.py)."""
+
+    def __init__(self, x: torch.Tensor, cfg: ModelConfig) -> None:
+        self.on, self.block, self.eps = cfg.attn_res, cfg.attn_res_block_size, cfg.rms_norm_eps
+        self.h = x
+        self.blocks: list[torch.Tensor] = [x.float()]
+        self.partial: torch.Tensor | None = None
+
+    def _sources(self) -> list[torch.Tensor]:
+        return self.blocks if self.partial is None else self.blocks + [self.partial]
+
+    def attn_input(self, layer: DecoderLayer) -> torch.Tensor:
+        if not self.on:
+            return self.h
+        if layer.layer_idx > 0 and layer.layer_idx % self.block == 0 and self.partial is not None:
+            self.blocks.append(self.partial)
+            self.partial = None
+        return attn_res_mix(self._sources(), layer.self_attention_res_norm.weight,
+                            layer.self_attention_res_proj.weight, self.eps)
+
+    def add_attn(self, layer: DecoderLayer, a: torch.Tensor) -> torch.Tensor:
+        """Adds the attention output; returns the FFN sublayer's input."""
+        if not self.on:
+            self.h = self.h + a
+            return self.h
+        self.partial = a.float() if self.partial is None else self.partial + a.float()
+        return attn_res_mix(self._sources(), layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, self.eps)
+
+    def add_ffn(self, m: torch.Tensor) -> None:
+        if self.on:
+            self.partial = self.partial + m.float()
+        else:
+            self.h = self.h + m
+
+    def output(self, model: HybridModel) -> torch.Tensor:
+        if not self.on:
+            return self.h
+        return attn_res_mix(self._sources(), model.output_attn_res_norm.weight,
+                            model.output_attn_res_proj.weight, self.eps)
 
 
 def build_model(config: str | ModelConfig = "toy", device: str | torch.device | None = None,

@@ -85,20 +85,25 @@ class Learner:
             group["lr"] = lr
 
     def _micro_backward(self, loss: torch.Tensor) -> None:
-        # Losses are already divided by global counts, so DeepSpeed must not rescale them; its step()
-        # only updates the weights at the accumulation boundary (every `micro_batches` calls).
+        # Losses are already divided by global counts, so DeepSpeed must not rescale them.
         self.engine.backward(loss, scale_wrt_gas=False)
-        self.engine.step()
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # counts the micro-step; the boundary step is _complete_accumulation's
 
     def _complete_accumulation(self, micro_steps_done: int) -> float:
-        """Pad to the configured micro-batch count (a small batch may split into fewer), which
-        triggers DeepSpeed's optimizer step; then the model's own post-step hooks."""
+        """Pad to the configured micro-batch count (a small batch may split into fewer), take
+        DeepSpeed's optimizer step at the boundary, then run the model's post-step hooks."""
         for _ in range(self.cfg["micro_batches"] - micro_steps_done):
             self._micro_backward(sum((p * 0).sum() for p in self.engine.module.parameters()))
+        grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
+        norm = float(torch.stack(grads).norm()) if grads else None  # before clipping
+        self.engine.step()
+        if norm is None:  # ZeRO keeps partitioned gradients out of p.grad; ask the engine
+            reported = self.engine.get_global_grad_norm()
+            norm = float(reported) if reported is not None else float("nan")
         self.engine.module.after_optimizer_step()
         self.version += 1
-        norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        return norm
 
     # -- supervised warm-up ----------------------------------------------------------------------
     def sft_step(self, examples: list[dict[str, list[int]]], lr: float) -> dict[str, float]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -34,7 +35,7 @@ class MetricsLogger:
             import wandb
 
             run_id_file = run_dir / "wandb_id"
-            run_id = run_id_file.read_text().strip() if run_id_file.exists() else wandb.util.generate_id()
+            run_id = run_id_file.read_text().strip() if run_id_file.exists() else uuid.uuid4().hex[:12]
             run_id_file.write_text(run_id)
             self._wandb = wandb.init(project=project, name=name, id=run_id, dir=str(run_dir), mode=self.mode,
                                      config=config, resume="allow" if resume else None, reinit=True)

@@ -145,6 +145,7 @@ class Trainer:
             # Reference episodes feed the tokenizer and the warm-up.
             episodes = self._reference_episodes(env_workers, cfg.warmup.tasks_per_env)
             tok = self._tokenizer(episodes)
+            self.tokenizer = tok
             spec = model_spec(cfg, tok.vocab_size)
             self.actors = start_policy_side(cfg, self.run_id, spec, str(self.run_dir / "tokenizer"), tok.pad_id,
                                             env_workers)
@@ -188,6 +189,10 @@ class Trainer:
             if self._started_ray:
                 ray.shutdown()
 
+    def _response_text(self, sample) -> str:
+        """The policy's own tokens of an episode, decoded (tool results left out)."""
+        return self.tokenizer.decode([t for t, m in zip(sample.tokens, sample.loss_mask) if m])
+
     def _train_loop(self, start_step: int, logger: MetricsLogger) -> None:
         cfg = self.cfg
         progress = StepProgress("GRPO", cfg.train.steps, completed=start_step, enabled=cfg.logging.progress)
@@ -215,7 +220,8 @@ class Trainer:
                     for s in samples:
                         f.write(json.dumps({"step": step, "uid": s.uid, "env": s.env, "effort": s.effort,
                                             "reward": s.reward, "version": s.weight_version,
-                                            "tokens": s.response_tokens, "error": s.grade_error}) + "\n")
+                                            "tokens": s.response_tokens, "error": s.grade_error,
+                                            "response": self._response_text(s)}) + "\n")
                 if (step + 1) % cfg.checkpoint.every == 0 or step == cfg.train.steps - 1:
                     self._save(step)
                 progress.advance(f"reward {metrics['rollout/reward']:.3f}  kl {metrics.get('train/kl', 0.0):.4f}  "

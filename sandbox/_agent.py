@@ -1,6 +1,6 @@
 """The in-sandbox agent: a small stdlib-only server that runs inside every sandbox.
 
-It is shipped as source (`python3 -I -S -c SOURCE`) so images only need python3. One
+It is shipped as a source file (read-only inside the sandbox) so images only need python3. One
 long-lived agent per sandbox keeps state (files, background servers) across execs and
 makes an exec a fork+exec inside the sandbox instead of a new container exec (~57 ms
 through the docker API). When its connection closes (the owner died or closed the
@@ -25,15 +25,23 @@ HDR = struct.Struct(">II")
 CHUNK = 1 << 16
 
 
-def kill_group(pgid, budget=1.0):
-    """SIGKILL a process group until it is gone: members forking meanwhile (a fork bomb) race one kill."""
+def kill_group(proc, budget=1.0):
+    """SIGKILL a command's process group until it is gone: members forking meanwhile (a
+    fork bomb) race a single kill. The leader is reaped first, else its zombie keeps the
+    group alive."""
     end = time.monotonic() + budget
     while time.monotonic() < end:
         try:
-            os.killpg(pgid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
         except OSError:
             return
-        time.sleep(0.005)
+        if proc.returncode is None:
+            try:
+                proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        reap_orphans(())  # as pid 1, killed members are our zombies: they keep the group alive
+        time.sleep(0.002)
 
 
 def kill_all_but_me(settle=0.5):
@@ -44,11 +52,30 @@ def kill_all_but_me(settle=0.5):
             os.kill(-1, signal.SIGKILL)
         except OSError:
             pass
-        time.sleep(0.02)  # let pid 1 reap them; fork attempts fail meanwhile
+        time.sleep(0.02)  # let pid 1 (us, or docker's init) reap them
+        reap_orphans(())
         try:
             os.kill(-1, 0)
         except OSError:
             return  # nothing left to signal
+
+
+def reap_orphans(keep):
+    """As pid 1 of the sandbox, reap orphaned zombies (they would hold pids forever),
+    leaving the children in `keep` to subprocess, which waits for them itself."""
+    if os.getpid() != 1:
+        return
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid in keep:
+            return
+        try:
+            os.waitpid(info.si_pid, 0)
+        except ChildProcessError:
+            return
 
 
 class Conn:
@@ -133,14 +160,25 @@ class ChunkWriter:
 
 
 class Agent:
-    def __init__(self, conn, workdir, base_env, deadline):
+    def __init__(self, conn, workdir, base_env, deadline, pids=0):
         self.conn, self.workdir, self.base_env, self.deadline = conn, workdir, base_env, deadline
+        self.pids = pids
 
     def path(self, p):
         return p if os.path.isabs(p) else os.path.join(self.workdir, p)
 
     def remaining(self):
         return self.deadline - time.monotonic()
+
+    def saturated(self):
+        """Leftover processes (a backgrounded fork bomb) fill the pid limit: nothing can run."""
+        if not self.pids:
+            return False
+        try:
+            n = sum(1 for d in os.listdir("/proc") if d.isdigit())
+        except OSError:
+            return False
+        return n >= self.pids - 2
 
     @staticmethod
     def spawn(argv, cwd, env, blob):
@@ -162,6 +200,9 @@ class Agent:
         timeout = min(float(h["timeout"]), max(self.remaining(), 0.0))
         t0 = time.monotonic()
         note = None
+        if self.saturated():
+            kill_all_but_me()
+            note = "process limit reached: every process of the sandbox was killed first"
         try:
             try:
                 p = self.spawn(argv, cwd, env, blob)
@@ -191,6 +232,7 @@ class Agent:
         exited_at = None
         open_fds = set(bufs)
         while open_fds:
+            reap_orphans((p.pid,))
             now = time.monotonic()
             if now >= end:
                 timed_out = p.poll() is None
@@ -232,7 +274,7 @@ class Agent:
             if hung_up:
                 break
         if timed_out or hung_up:
-            kill_group(p.pid)
+            kill_group(p)
         try:
             rc = p.wait(timeout=2)
         except subprocess.TimeoutExpired:
@@ -342,10 +384,11 @@ class Agent:
         sel = selectors.DefaultSelector()
         sel.register(self.conn.rfd, selectors.EVENT_READ)
         while True:
+            reap_orphans(())
             left = self.remaining()
             if left <= 0:
                 return "ttl"
-            if not sel.select(min(left, 60.0)):
+            if not sel.select(min(left, 0.5 if os.getpid() == 1 else 60.0)):
                 continue
             try:
                 h, blob = self.conn.recv()
@@ -396,25 +439,10 @@ def main():
     cfg = json.loads(sys.argv[1])
     os.umask(0o022)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    if cfg.get("socket"):
-        # docker: serve one connection on a unix socket in a bind-mounted dir
-        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        path = cfg["socket"]
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        srv.bind(path + ".tmp")
-        os.rename(path + ".tmp", path)  # appears only once listening can succeed
-        srv.listen(1)
-        srv.settimeout(float(cfg.get("connect_timeout", 60)))
-        try:
-            s, _ = srv.accept()
-        except socket.timeout:
-            return
-        srv.close()
-        os.unlink(path)
-        s.setblocking(True)
+    if cfg.get("connect"):
+        # docker: connect to the owner's socket (mounted read-only from the host)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(cfg["connect"])
         conn = Conn(s.fileno(), s.fileno())
     else:
         conn = Conn(0, 1)
@@ -422,14 +450,11 @@ def main():
         sys.stdout = open(os.devnull, "w")
     os.makedirs(cfg["workdir"], exist_ok=True)
     os.chdir(cfg["workdir"])
-    agent = Agent(conn, cfg["workdir"], cfg["env"], time.monotonic() + float(cfg["ttl"]))
+    agent = Agent(conn, cfg["workdir"], cfg["env"], time.monotonic() + float(cfg["ttl"]), int(cfg.get("pids", 0)))
     conn.send({"ok": True, "ready": True, "pid": os.getpid()})
     agent.serve()
-    # leaving: take every process of the sandbox with us (pid namespace/init does the rest)
-    try:
-        os.kill(-1, signal.SIGKILL) if os.getpid() == 1 else None
-    except OSError:
-        pass
+    # leaving: as pid 1 our exit kills every process of the sandbox (pid namespace);
+    # under docker's init, the init exits with us and the container stops
 
 
 if __name__ == "__main__":

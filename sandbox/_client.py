@@ -146,7 +146,8 @@ class AgentSandbox(Sandbox):
         return WORKDIR
 
     def _agent_config(self, **extra: Any) -> str:
-        cfg = {"workdir": WORKDIR, "env": base_env(WORKDIR, self._env), "ttl": self.limits.ttl}
+        cfg = {"workdir": WORKDIR, "env": base_env(WORKDIR, self._env), "ttl": self.limits.ttl,
+               "pids": self.limits.pids}
         cfg.update(extra)
         return json.dumps(cfg)
 
@@ -212,6 +213,12 @@ class AgentSandbox(Sandbox):
             return True
         except SandboxError:
             return False
+
+    def info(self) -> dict[str, Any]:
+        """Live facts from inside: agent pid, seconds of TTL left."""
+        res, _ = self._call({"op": "ping"}, timeout=5.0)
+        return {"id": self.id, "backend": self.backend, "image": self.image, "labels": dict(self.labels),
+                "ttl_left": float(res["remaining"]), "agent_pid": res["pid"]}
 
     def set_deadline(self, ttl: float) -> None:
         if ttl <= 0:

@@ -52,10 +52,11 @@ class ExecResult:
 class SandboxLimits:
     """Resource limits for one sandbox. Sizes in MiB, times in seconds.
 
-    `memory_mb` is for processes. The work dir and /tmp are size-limited tmpfs whose
-    pages are charged to the same memory cgroup, so the cgroup limit is
-    memory_mb + disk_mb + tmp_mb: a full disk then fails with ENOSPC instead of an
-    out-of-memory kill of whatever process happens to be running.
+    `memory_mb` bounds everything the sandbox holds in RAM, as `docker --memory` does:
+    its processes plus the files in its work dir and /tmp, which are size-limited tmpfs
+    (`disk_mb`, `tmp_mb`). Keep disk_mb + tmp_mb well under memory_mb so a full disk
+    fails with ENOSPC rather than an out-of-memory kill. User commands are the OOM
+    killer's first choice; the in-sandbox agent its last.
 
     `ttl` is the sandbox's whole lifetime: it must exceed the episode deadline plus the
     grading time (a TTL equal to the rollout deadline is a known way to hang scoring).
@@ -78,10 +79,9 @@ class SandboxLimits:
         for name in ("cpus", "exec_timeout", "ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
-
-    @property
-    def cgroup_memory_mb(self) -> int:
-        return self.memory_mb + self.disk_mb + self.tmp_mb
+        if self.disk_mb + self.tmp_mb >= self.memory_mb:
+            raise ValueError(f"SandboxLimits: disk_mb + tmp_mb ({self.disk_mb + self.tmp_mb}) must be < memory_mb "
+                             f"({self.memory_mb}): the work dir and /tmp live in the sandbox's memory")
 
     def with_(self, **changes: Any) -> "SandboxLimits":
         return replace(self, **changes)
@@ -211,6 +211,10 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     def ping(self) -> bool:
         """True when the sandbox answers (health check); never raises."""
+
+    @abc.abstractmethod
+    def info(self) -> dict[str, Any]:
+        """Live facts about the sandbox (at least `ttl_left`, seconds until it is destroyed)."""
 
     @abc.abstractmethod
     def set_deadline(self, ttl: float) -> None:

@@ -25,7 +25,9 @@ def run_cmd(
     from . import SandboxError, SandboxLimits, open_sandbox
 
     try:
-        limits = SandboxLimits(memory_mb=memory, network=network, exec_timeout=timeout, ttl=timeout + 60)
+        # the work dir and /tmp live in the sandbox's memory: give them a share of it
+        limits = SandboxLimits(memory_mb=memory, disk_mb=max(1, memory // 2), tmp_mb=max(1, memory // 8),
+                               network=network, exec_timeout=timeout, ttl=timeout + 60)
         command: list[str] | str = cmd[0] if len(cmd) == 1 else list(cmd)
         with open_sandbox(backend, image=image, limits=limits, labels={"run": "cli", "episode": "cli-run"}) as sb:
             r = sb.exec(command, timeout=timeout)

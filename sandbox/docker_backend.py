@@ -1,7 +1,7 @@
 """Docker backend: one locked-down container per episode, kept alive across turns.
 
-The container's main process is the sandbox agent (under docker's init), reached over
-a unix socket in a bind-mounted host dir. Commands then cost a fork+exec inside the
+The container's main process is the sandbox agent (under docker's init); it connects
+to a unix socket the owner listens on, in a host dir mounted read-only. Commands then cost a fork+exec inside the
 container instead of a docker exec round trip, and the container dies with its owner:
 when the owner's socket closes (close(), crash, SIGKILL) the agent exits, the init
 stops the container and auto-remove deletes it. Labels let `gc` reap whatever a dead
@@ -114,36 +114,48 @@ class DockerSandbox(AgentSandbox):
         import docker.errors
 
         lim = self.limits
-        self._state.mkdir(parents=True)
-        os.chmod(self._state, 0o777)  # the non-root user inside creates the socket here
-        sock_path = self._state / "agent.sock"
-        cfg = self._agent_config(socket="/run/rl/agent.sock", connect_timeout=START_TIMEOUT)
+        # The host listens and the container connects: the state dir is mounted read-only,
+        # so the sandbox cannot write to the host's disk through it.
+        self._state.mkdir(parents=True, mode=0o755)
+        (self._state / "agent.py").write_text(AGENT_SOURCE)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.container = docker_client().containers.run(
-                self.image, ["python3", "-I", "-S", "-c", AGENT_SOURCE, cfg],
-                name=f"rl-sb-{self.id}", detach=True, auto_remove=True, init=True,
-                labels=self.docker_labels(), hostname="sandbox", user=SANDBOX_USER, working_dir=WORKDIR,
-                network_mode="bridge" if lim.network else "none",
-                mem_limit=f"{lim.cgroup_memory_mb}m", memswap_limit=f"{lim.cgroup_memory_mb}m", nano_cpus=int(lim.cpus * 1e9),
-                pids_limit=lim.pids, read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
-                tmpfs={WORKDIR: f"size={lim.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
-                       "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
-                volumes={str(self._state): {"bind": "/run/rl", "mode": "rw"}},
-                ulimits=[docker.types.Ulimit(name="nofile", soft=4096, hard=4096)],
-            )
-        except docker.errors.ImageNotFound:
-            raise SandboxError(f"docker image {self.image!r} not found: build it with `rl sandbox build-image`") from None
-        except docker.errors.APIError as e:
-            raise SandboxError(f"docker could not start a sandbox: {e.explanation or e}") from None
-        end = time.monotonic() + START_TIMEOUT
-        while not sock_path.exists():
-            if time.monotonic() > end:
-                raise SandboxError(f"docker sandbox agent did not come up within {START_TIMEOUT:.0f}s")
-            time.sleep(0.002)
-            if time.monotonic() - self.created > 5 and not self._container_running():
-                raise SandboxError(f"docker sandbox exited during start: {self._logs()}")
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(str(sock_path))
+            srv.bind(str(self._state / "agent.sock"))
+            os.chmod(self._state / "agent.sock", 0o666)  # the non-root user inside must connect
+            srv.listen(1)
+            cfg = self._agent_config(connect="/run/rl/agent.sock")
+            try:
+                self.container = docker_client().containers.run(
+                    self.image, ["python3", "-I", "-S", "/run/rl/agent.py", cfg],
+                    name=f"rl-sb-{self.id}", detach=True, auto_remove=True, init=True,
+                    labels=self.docker_labels(), hostname="sandbox", user=SANDBOX_USER, working_dir=WORKDIR,
+                    network_mode="bridge" if lim.network else "none",
+                    mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m",
+                    nano_cpus=int(lim.cpus * 1e9), pids_limit=lim.pids, read_only=True, cap_drop=["ALL"],
+                    security_opt=["no-new-privileges"],
+                    tmpfs={WORKDIR: f"size={lim.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
+                           "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
+                    volumes={str(self._state): {"bind": "/run/rl", "mode": "ro"}},
+                    ulimits=[docker.types.Ulimit(name="nofile", soft=4096, hard=4096)],
+                )
+            except docker.errors.ImageNotFound:
+                raise SandboxError(f"docker image {self.image!r} not found: build it with `rl sandbox build-image`") from None
+            except docker.errors.APIError as e:
+                raise SandboxError(f"docker could not start a sandbox: {e.explanation or e}") from None
+            end = time.monotonic() + START_TIMEOUT
+            srv.settimeout(0.5)
+            while True:
+                try:
+                    s, _ = srv.accept()
+                    break
+                except socket.timeout:
+                    if time.monotonic() > end:
+                        raise SandboxError(f"docker sandbox agent did not connect within {START_TIMEOUT:.0f}s") from None
+                    if not self._container_running():
+                        raise SandboxError(f"docker sandbox exited during start: {self._logs()}") from None
+        finally:
+            srv.close()
+        s.setblocking(True)
         self._sock = s
         self._conn = AgentConnection(s.fileno(), s.fileno())
         try:
@@ -241,7 +253,7 @@ def gc_docker_sandboxes(all_: bool = False, run: str | None = None) -> list[str]
 def raw_docker_run_kwargs(limits: SandboxLimits) -> dict[str, Any]:
     """The same isolation settings for a plain container (benchmarks compare against it)."""
     return dict(detach=True, init=True, user=SANDBOX_USER, working_dir=WORKDIR, network_mode="none",
-                mem_limit=f"{limits.cgroup_memory_mb}m", memswap_limit=f"{limits.cgroup_memory_mb}m",
+                mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
                 nano_cpus=int(limits.cpus * 1e9), pids_limit=limits.pids, read_only=True, cap_drop=["ALL"],
                 security_opt=["no-new-privileges"],
                 tmpfs={WORKDIR: f"size={limits.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",

@@ -52,7 +52,8 @@ class SandboxPool:
         self._waiters = 0
         self._cv = threading.Condition()
         self._closed = False
-        self.stats: dict[str, int] = collections.Counter()
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("started", "start_failures", "cold_starts", "acquired", "dead_replaced", "timeouts", "rejected"), 0)
         self._last_error: str | None = None
         self._threads = [threading.Thread(target=self._filler, name=f"sandbox-pool-fill{i}", daemon=True)
                          for i in range(max(1, start_parallelism))]
@@ -200,13 +201,8 @@ class SandboxPool:
             sb.set_deadline(self.ttl)
             return True
         except Exception:
-            with self._cv:
-                try:
-                    self._idle.remove(sb)
-                except ValueError:
-                    return False  # handed out meanwhile: acquire() checks it
-                self.stats["dead_replaced"] += 1
-            sb.close()
+            self.stats["dead_replaced"] += 1
+            sb.close()  # its close callback frees the slot; the filler starts a fresh one
             return False
 
     def check_all(self) -> int:

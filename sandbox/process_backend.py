@@ -26,6 +26,7 @@ from ._client import AGENT_SOURCE, WORKDIR, AgentConnection, AgentSandbox
 from .base import ExecResult, SandboxError, SandboxLimits
 
 STATE_ROOT = Path(os.environ.get("RL_SANDBOX_STATE", Path(tempfile.gettempdir()) / "rl-sandbox"))
+PROCESS_STATE = STATE_ROOT / "process"  # one dir per live sandbox: meta.json, agent.py, etc/
 SANDBOX_UID = 1000
 START_TIMEOUT = 30.0
 
@@ -55,7 +56,9 @@ def _python_for(root: Path) -> str:
 
 
 def _bwrap_argv(root: Path, state: Path, limits: SandboxLimits, info_fd: int) -> list[str]:
-    argv = [bwrap_path() or "bwrap", "--unshare-all", "--new-session", "--cap-drop", "ALL",
+    # --as-pid-1: the agent is the namespace's init, so its exit (owner gone, close, TTL)
+    # kills every process of the sandbox; bwrap's own init would wait for them instead
+    argv = [bwrap_path() or "bwrap", "--unshare-all", "--as-pid-1", "--new-session", "--cap-drop", "ALL",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
     if limits.network:
         argv.append("--share-net")
@@ -79,6 +82,7 @@ def _bwrap_argv(root: Path, state: Path, limits: SandboxLimits, info_fd: int) ->
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--size", str(limits.disk_mb << 20), "--perms", "0755", "--tmpfs", WORKDIR,
              "--size", str(limits.tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
+             "--ro-bind", str(state / "agent.py"), "/.rl/agent.py",
              "--remount-ro", "/", "--chdir", WORKDIR, "--info-fd", str(info_fd)]
     return argv
 
@@ -91,14 +95,14 @@ import os, resource, subprocess, sys
 disk, tmp, mem, nproc, uid, py = sys.argv[1:7]
 def mount(*a): subprocess.run(["mount", *a], check=True)
 mount("--make-rprivate", "/")
-for d in ("/root", "/home", "/srv", "/mnt", "/media", "/opt", "/var", "/run", "/work"):
+for d in ("/root", "/home", "/srv", "/mnt", "/media", "/opt", "/var", "/run", "/work", "/dev/shm", "/dev/mqueue"):
     if os.path.isdir(d): mount("-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", d)
 os.makedirs("/work", exist_ok=True)
 mount("-t", "tmpfs", "-o", "size=%s,mode=0755,uid=%s,gid=%s" % (disk, uid, uid), "tmpfs", "/work")
 mount("-t", "tmpfs", "-o", "size=%s,mode=1777" % tmp, "tmpfs", "/tmp")
 resource.setrlimit(resource.RLIMIT_AS, (int(mem), int(mem)))
-resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
-resource.setrlimit(resource.RLIMIT_FSIZE, (int(disk), int(disk)))
+if int(nproc) > 0:  # only without a pids cgroup: NPROC counts the uid's processes host-wide
+    resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
 os.setgroups([]); os.setgid(int(uid)); os.setuid(int(uid))
 child = os.fork()
 if child == 0:
@@ -127,7 +131,7 @@ class ProcessSandbox(AgentSandbox):
         self._root = Path(image) if image else Path("/")
         if not (self._root / "usr").is_dir():
             raise SandboxError(f"process backend image must be a rootfs directory with usr/, got {image!r}")
-        self._state = STATE_ROOT / self.id
+        self._state = PROCESS_STATE / self.id
         self._proc: subprocess.Popen[bytes] | None = None
         self._ns_init: int | None = None
         self._cg: _cgroup.Cgroup | None = None
@@ -142,7 +146,8 @@ class ProcessSandbox(AgentSandbox):
     def _start(self) -> None:
         lim = self.limits
         self._state.mkdir(parents=True, exist_ok=False)
-        self._cg = _cgroup.Cgroup.create(self.id, lim.cgroup_memory_mb, lim.pids, lim.cpus)
+        self._write_meta()  # before anything else exists, so gc never takes it for debris
+        self._cg = _cgroup.Cgroup.create(self.id, lim.memory_mb, lim.pids, lim.cpus)
         py = _python_for(self._root)
         cfg = self._agent_config()
         cg = self._cg
@@ -156,7 +161,8 @@ class ProcessSandbox(AgentSandbox):
         try:
             if bwrap_path():
                 info_r, info_w = os.pipe()
-                argv = _bwrap_argv(self._root, self._state, lim, info_w) + [py, "-I", "-S", "-c", AGENT_SOURCE, cfg]
+                (self._state / "agent.py").write_text(AGENT_SOURCE)
+                argv = _bwrap_argv(self._root, self._state, lim, info_w) + [py, "-I", "-S", "/.rl/agent.py", cfg]
                 pass_fds: Sequence[int] = (info_w,)
             else:
                 if self._root != Path("/"):
@@ -165,7 +171,7 @@ class ProcessSandbox(AgentSandbox):
                 if not lim.network:
                     unshare.append("--net")
                 argv = unshare + [py, "-I", "-S", "-c", _UNSHARE_BOOT, str(lim.disk_mb << 20), str(lim.tmp_mb << 20),
-                                  str(lim.memory_mb << 20), str(lim.pids), str(SANDBOX_UID), py, AGENT_SOURCE, cfg]
+                                  str(lim.memory_mb << 20), str(0 if self._cg else lim.pids), str(SANDBOX_UID), py, AGENT_SOURCE, cfg]
                 pass_fds = ()
             self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                           pass_fds=pass_fds, preexec_fn=in_child, close_fds=True)
@@ -194,7 +200,7 @@ class ProcessSandbox(AgentSandbox):
         meta = {"id": self.id, "backend": self.backend, "owner_pid": os.getpid(), "owner_start": _start_time(os.getpid()),
                 "pid": self._proc.pid if self._proc else None, "ns_init": self._ns_init, "labels": self.labels,
                 "created": self.created, "expires": self.created + self.limits.ttl, "image": self.image}
-        (self._state / "meta.json").write_text(json.dumps(meta))
+        _write_atomic(self._state / "meta.json", json.dumps(meta))
 
     def _alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -212,7 +218,7 @@ class ProcessSandbox(AgentSandbox):
         try:
             meta = json.loads((self._state / "meta.json").read_text())
             meta["expires"] = time.time() + ttl
-            (self._state / "meta.json").write_text(json.dumps(meta))
+            _write_atomic(self._state / "meta.json", json.dumps(meta))
         except OSError:
             pass
 
@@ -242,6 +248,13 @@ class ProcessSandbox(AgentSandbox):
         if self._cg is not None:
             self._cg.remove()
         shutil.rmtree(self._state, ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Readers (gc in other processes) never see a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _replace_error(r: ExecResult, error: str) -> ExecResult:
@@ -287,13 +300,18 @@ def owner_alive(pid: int | None, start: int | None) -> bool:
 def list_process_sandboxes() -> list[dict]:
     out = []
     try:
-        entries = list(STATE_ROOT.iterdir())
+        entries = list(PROCESS_STATE.iterdir())
     except OSError:
         return out
     for d in entries:
         try:
             meta = json.loads((d / "meta.json").read_text())
         except (OSError, ValueError):
+            try:
+                if time.time() - d.stat().st_mtime < 60:
+                    continue  # being created or removed right now
+            except OSError:
+                continue
             meta = {"id": d.name, "owner_pid": None}
         meta["owner_alive"] = owner_alive(meta.get("owner_pid"), meta.get("owner_start"))
         meta["state_dir"] = str(d)

@@ -13,6 +13,7 @@ import secrets
 from typing import Any, Callable
 
 from envs.base import Environment
+from envs.domains.fresh_sandbox import run_in_fresh_sandbox
 from envs.grades import Grade, Grader
 
 KINDS = ("toy", "generated", "humaneval")
@@ -51,17 +52,13 @@ class CodeGrader(Grader):
         self.exec_timeout_s = exec_timeout_s
 
     def score(self, payload: dict[str, Any]) -> Grade:
-        from sandbox import open_sandbox
-
         code = payload.get("code") or ""
         if not code.strip():
             return Grade(reward=0.0, passed=False, grader_version="", details={"reason": "no code in the response"})
         nonce = secrets.token_hex(8)
-        with open_sandbox(backend=self.sandbox_backend, labels={"role": "grader"}) as sb:
-            sb.write_file("solution.py", code)
-            sb.write_file("tests.py", payload["tests"])
-            sb.write_file("harness.py", _HARNESS)
-            r = sb.exec(["python3", "harness.py", payload["entry_point"]], stdin=nonce + "\n", timeout=self.exec_timeout_s)
+        files = {"solution.py": code, "tests.py": payload["tests"], "harness.py": _HARNESS}
+        r = run_in_fresh_sandbox(self.sandbox_backend, files, ["python3", "harness.py", payload["entry_point"]],
+                                 stdin=nonce + "\n", timeout=self.exec_timeout_s)
         ok = (not r.timed_out) and r.exit_code == 0 and f"ALL TESTS PASSED {nonce}" in r.stdout
         details = {"exit_code": r.exit_code, "timed_out": r.timed_out, "stderr_tail": (r.stderr or "")[-400:]}
         return Grade(reward=1.0 if ok else 0.0, passed=ok, grader_version="", details=details)

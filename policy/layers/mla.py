@@ -6,6 +6,11 @@ kv_a_layernorm, kv_b_proj, g_proj (output gate), o_proj; DSA adds indexer.{wq_b,
 weights_proj} (DeepSeek-V3.2 names). `qk_rope_head_dim` keeps the checkpoint layout of a key part
 shared by all heads, but nothing is rotated (NoPE), so positions never enter the math.
 
+DSA: the indexer's top-k becomes a key mask on the gated NoPE MLA (how K3.1 composes the two is
+UNVERIFIED; this is the DeepSeek-V3.2 composition). Ties in the indexer score go to the earlier
+key. Stage "warmup" attends densely and only trains the indexer (KL to the summed head
+attention); stage "sparse" applies the mask and restricts the KL to the selected keys.
+
 The latent norms use eps 1e-6 (as the HF Kimi Linear code does), the rest cfg.rms_norm_eps.
 """
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ._ops import masked_attention
 from .norms import RMSNorm
 
 _LATENT_EPS = 1e-6
+_INDEX_HEAD_CHUNK = 8
 
 
 class LightningIndexer(nn.Module):
@@ -40,9 +46,16 @@ class LightningIndexer(nn.Module):
     def scores(self, x: torch.Tensor, q_in: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq_b(q_in).reshape(B, T, self.n_heads, self.head_dim).float()
-        dots = torch.relu(torch.einsum("bthd,bsd->bths", q, keys.float()))
         w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
-        return torch.einsum("bth,bths->bts", w, dots)  # [B, T, S]
+        kt = keys.float().transpose(1, 2)  # [B, d_I, S]
+        out = None
+        # a few heads at a time: never hold [B, T, H_I, S] (17 GB for K3.1's 64 heads at 8K)
+        for h0 in range(0, self.n_heads, _INDEX_HEAD_CHUNK):
+            h1 = min(h0 + _INDEX_HEAD_CHUNK, self.n_heads)
+            dots = torch.relu(torch.einsum("bthd,bds->bths", q[:, :, h0:h1], kt))
+            part = torch.einsum("bth,bths->bts", w[:, :, h0:h1], dots)
+            out = part if out is None else out + part
+        return out  # [B, T, S]
 
 
 def _kl_to_indexer(p: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -115,9 +128,15 @@ class MLAMixer(nn.Module):
         full = cache.append(latent, k_rope, idx_k)
         S, past = full.seq_len, cache.seq_len
 
-        kv = self.kv_b_proj(full.latent).reshape(B, S, self.H, self.nope + self.vd)
-        k = torch.cat([kv[..., :self.nope], full.k_rope.unsqueeze(2).expand(B, S, self.H, self.rope)], -1)
-        v = kv[..., self.nope:]
+        # decode steps attend in the latent space (weights absorbed into q and the output) when
+        # that is cheaper than expanding K and V for every cached token
+        absorb = (not self.training and not indexer_loss and past > 0
+                  and T * (2 * self.kv_lora + self.rope) < (self.nope + self.vd) * self.kv_lora)
+        k = v = None
+        if not absorb:
+            kv = self.kv_b_proj(full.latent).reshape(B, S, self.H, self.nope + self.vd)
+            k = torch.cat([kv[..., :self.nope], full.k_rope.unsqueeze(2).expand(B, S, self.H, self.rope)], -1)
+            v = kv[..., self.nope:]
 
         # key j is visible to new token t when it holds a real token and is not in t's future
         j = torch.arange(S, device=x.device)
@@ -134,8 +153,11 @@ class MLAMixer(nn.Module):
                 top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :self.indexer.topk]
                 visible = allowed & topk_to_mask(top, S)
 
-        o = masked_attention(q, k, v, scale=self.scale, causal=True, key_mask=full.valid,
-                             topk_indices=top, sink=self.sinks)  # [B, T, H, vd]
+        if absorb:
+            o = self._attend_absorbed(q, full, top)
+        else:
+            o = masked_attention(q, k, v, scale=self.scale, causal=True, key_mask=full.valid,
+                                 topk_indices=top, sink=self.sinks)  # [B, T, H, vd]
         if self.output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float()).reshape(B, T, self.H, self.vd).to(o.dtype)
         y = self.o_proj(o.reshape(B, T, self.H * self.vd))
@@ -153,6 +175,18 @@ class MLAMixer(nn.Module):
                 p = torch.softmax(logits.detach(), dim=-1).sum(1)  # heads summed; L1-normalised in the KL
                 loss = _kl_to_indexer(p, idx_scores, visible)
         return y, (full if use_cache else None), loss
+
+    def _attend_absorbed(self, q: torch.Tensor, full: MLACache, top: torch.Tensor | None) -> torch.Tensor:
+        """Attention with W_UK folded into the query and W_UV applied after: one shared latent
+        key/value head (MQA over [latent, k_rope]). Same result as expanding K and V."""
+        w = self.kv_b_proj.weight.view(self.H, self.nope + self.vd, self.kv_lora)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        q_lat = torch.einsum("bthn,hnl->bthl", q[..., :self.nope], w_uk)
+        q_abs = torch.cat([q_lat, q[..., self.nope:]], -1)  # [B, T, H, L + R]
+        k_abs = torch.cat([full.latent, full.k_rope], -1).unsqueeze(2)  # [B, S, 1, L + R]
+        ctx = masked_attention(q_abs, k_abs, full.latent.unsqueeze(2), scale=self.scale, causal=True,
+                               key_mask=full.valid, topk_indices=top, sink=self.sinks)  # [B, T, H, L]
+        return torch.einsum("bthl,hvl->bthv", ctx, w_uv)
 
     # ---- QK-Clip ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -100,7 +100,7 @@ class LatentMoE(nn.Module):
         w = scores.gather(1, idx)
         if self.renorm:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        if self.training and routing is None:
+        if self.training:  # replayed routing counts too: it is the load the step actually used
             self._record(scores.detach(), idx)
         return w * self.scaling, idx
 

@@ -232,3 +232,17 @@ def test_kda_gate_forms():
         kda_gate(f, A_log, dt_bias, lower_bound=5.0)
     assert math.isclose(kda_gate(torch.zeros(1, H, K), torch.zeros(H), None, lower_bound=-5.0)[0, 0, 0].item(),
                         -2.5)
+
+
+def test_backend_default_switch():
+    from kernels.kda import kda_backend, set_kda_backend
+
+    q, k, v, g, beta, _ = make_inputs(T=9, seed=18)
+    with kda_backend("torch"):
+        o, _ = kda(q, k, v, g, beta)
+        with pytest.raises(RuntimeError, match="fla"):
+            with kda_backend("fla"):
+                kda(q, k, v, g, beta)
+        assert torch.equal(o, kda_chunk(q, k, v, g, beta)[0])
+    with pytest.raises(ValueError, match="backend"):
+        set_kda_backend("triton")

@@ -43,15 +43,20 @@ def test_kda_decode_matches_full(kw):
     ("mla", dict(q_lora_rank=12, attention_sink=True)),  # gated, q low rank, sink
     ("dsa", dict(q_lora_rank=12, index_topk=3)),  # top-k smaller than the sequence
 ])
-def test_global_decode_matches_full(kind, kw):
+@pytest.mark.parametrize("train", [True, False])  # eval decode attends in the latent space (absorbed)
+def test_global_decode_matches_full(kind, kw, train):
     torch.manual_seed(0)
-    layer = MLAMixer(tiny(**kw), 0, sparse=kind == "dsa")
+    layer = MLAMixer(tiny(**kw), 0, sparse=kind == "dsa").train(train)
     with torch.no_grad():
         if layer.sinks is not None:
             layer.sinks.normal_()
     x = torch.randn(2, 11, 32)
     full, _, _ = layer(x)
+    calls = []
+    absorbed = layer._attend_absorbed
+    layer._attend_absorbed = lambda *a: calls.append(1) or absorbed(*a)
     inc, cache = _steps(layer, x, [4, 1, 2, 1, 3])
+    assert len(calls) == (0 if train else 4)  # eval decode steps take the absorbed path
     torch.testing.assert_close(inc, full, atol=1e-5, rtol=1e-4)
     assert cache.latent.shape == (2, 11, 8) and bool(cache.valid.all())
     if kind == "dsa":  # the top-k mask must bite: dense attention differs
@@ -217,3 +222,25 @@ def test_bad_config_values_fail_with_one_line_messages():
         with pytest.raises(ConfigError, match=field) as e:
             tiny(**kw)
         assert "\n" not in str(e.value)
+
+
+def test_lightning_indexer_formula():
+    """I[t, s] = sum_j w[t, j] ReLU(q_I[t, j] . k_I[s]), w = W_w x / sqrt(H_I d_I); heads in chunks."""
+    from policy.layers.mla import LightningIndexer
+
+    torch.manual_seed(0)
+    ix = LightningIndexer(tiny(index_n_heads=11, index_head_dim=4), q_in_dim=32)
+    with torch.no_grad():
+        for p in ix.parameters():
+            p.normal_()
+    x = torch.randn(2, 5, 32)
+    k = ix.keys(x)
+    got = ix.scores(x, x, k)
+    q = ix.wq_b(x).reshape(2, 5, 11, 4)
+    w = ix.weights_proj(x) / (11 * 4) ** 0.5
+    ref = torch.zeros(2, 5, 5)
+    for b in range(2):
+        for t in range(5):
+            for s in range(5):
+                ref[b, t, s] = sum(w[b, t, j] * torch.relu(q[b, t, j] @ k[b, s]) for j in range(11))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

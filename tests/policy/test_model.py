@@ -145,3 +145,21 @@ def test_bad_inputs_raise_clear_errors(model):
         c = model(torch.randint(0, 64, (2, 4)), use_cache=True).cache
     with pytest.raises(ValueError, match="batch"):
         model(torch.randint(0, 64, (1, 1)), cache=c)
+
+
+def test_repeated_scatter_does_not_grow_the_key_axis(model):
+    """The rollout engine's pattern: feed one row alone, concat it back; gaps are compacted."""
+    torch.manual_seed(2)
+    prompt, extra, nxt = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (3, 4)), torch.randint(0, 64, (3, 1))
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).cache.select([0, 0, 0])
+        for i in range(3):  # each row gets its own 4-token tool result, fed with B = 1
+            row = model(extra[i:i + 1], cache=cache.select([i]), use_cache=True).cache
+            parts = [cache.select(list(range(i))), row, cache.select(list(range(i + 1, 3)))]
+            cache = ModelCache.concat([p for p in parts if p.batch_size])
+        mla = [c for c in cache.layers if hasattr(c, "latent")][0]
+        assert mla.seq_len == 10 and bool(mla.valid.all()) and cache.lengths.tolist() == [10, 10, 10]
+        got = model(nxt, cache=cache, use_cache=True).logits[:, -1]
+        ref = torch.cat([model(torch.cat([prompt, extra[i:i + 1], nxt[i:i + 1]], 1)).logits[:, -1]
+                         for i in range(3)])
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)

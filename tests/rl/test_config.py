@@ -15,7 +15,7 @@ def write(tmp_path: Path, tree: dict) -> Path:
     return path
 
 
-BASE = {"envs": [{"name": "math"}]}
+BASE = {"envs": [{"name": "math"}], "seed": 0}
 
 
 def test_demo_config_is_valid():
@@ -39,7 +39,8 @@ def test_overrides_are_typed(tmp_path):
         (["train.loss_agg=sum"], "config error: 'train.loss_agg'"),
         (["effort.budgets.huge=3"], "unknown effort level 'huge'"),
         (["train"], "is not of the form key=value"),
-        (["train.lr.x=1"], "config error: 'train.lr' is a value, not a section"),
+        (["train.lr.x=1"], "config error: 'train.lr': Input should be a valid number"),
+        (["seed.x=1"], "config error: 'seed' is a value, not a section"),
     ],
 )
 def test_bad_values_fail_with_one_line_naming_the_key(tmp_path, overrides, expected):

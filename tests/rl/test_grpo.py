@@ -56,8 +56,11 @@ def test_one_micro_batch_and_four_give_the_same_gradient(loss_agg):
 
     one, four = grads(1), grads(4)
     assert len(one) == len(four) > 0
+    # Some kernels compute in fp32 inside even for float64 inputs, and micro-batches pad to other
+    # lengths; a per-micro-batch normalisation bug would differ by tens of percent, not 1e-5.
+    scale = max(float(g.abs().max()) for g in one)
     for a, b in zip(one, four):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * scale)
 
 
 def test_ratio_is_anchored_on_behaviour_logprobs_and_clipped():

@@ -1,0 +1,200 @@
+"""GPU benchmark (one H200): fla-core chunk_kda alone vs our kernels.kda dispatch, torch path agreement,
+and (when policy has it) the `small` preset's forward+backward tokens/s and MFU with fla and torch KDA.
+
+Run on the device machine (fla-core installed, e.g. from a carried wheel):
+
+    python benchmarks/gpu_kda.py --seq 8192 [--json $OUT/gpu_kda.json] [--skip-model]
+
+Timings: CUDA events, median of --iters after --warmup calls (the first call also pays
+Triton compilation/autotuning). fwd+bwd = forward, then backward from fixed random
+output/state gradients.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s, vendor datasheet (H100/H200 SXM)
+RESULTS: dict[str, Any] = {}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def cuda_time_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def rms_rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+def kda_inputs(B: int, T: int, H: int, D: int, seed: int = 0) -> list[torch.Tensor]:
+    """bf16 q/k/v/beta (q, k l2-normalised as the layer does), fp32 lower-bound gates and state."""
+    from kernels.kda import kda_gate
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    q = F.normalize(r(B, T, H, D), dim=-1).bfloat16()
+    k = F.normalize(r(B, T, H, D), dim=-1).bfloat16()
+    v = r(B, T, H, D).bfloat16()
+    A_log = torch.empty(H, device="cuda").uniform_(1, 16, generator=gen).log()
+    g = kda_gate(r(B, T, H, D), A_log, r(H * D), lower_bound=-5.0)
+    beta = torch.sigmoid(r(B, T, H)).bfloat16()
+    h0 = r(B, H, D, D) * 0.1
+    return [q, k, v, g, beta, h0]
+
+
+def fwd_bwd(impl: Callable, base: list[torch.Tensor], grads: tuple[torch.Tensor, torch.Tensor]) -> list:
+    args = [x.detach().requires_grad_(True) for x in base]
+    o, s = impl(*args[:5], initial_state=args[5], output_final_state=True)
+    torch.autograd.backward([o, s], [grads[0].to(o.dtype), grads[1]])
+    return [o.detach(), s.detach()] + [a.grad for a in args]
+
+
+def kda_section(name: str, B: int, T: int, H: int, D: int, warmup: int, iters: int, torch_iters: int) -> None:
+    from fla.ops.kda import chunk_kda
+
+    from kernels.kda import kda, kda_chunk
+
+    base = kda_inputs(B, T, H, D)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    grads = (torch.randn(B, T, H, D, device="cuda", generator=gen), torch.randn(B, H, D, D, device="cuda", generator=gen))
+    res: dict[str, Any] = {"shape": dict(B=B, T=T, H=H, HV=H, K=D, V=D), "dtype": "bf16 q/k/v/beta, fp32 g/state"}
+
+    log(f"{name}: first fla call (compiles / autotunes)")
+    t0 = time.time()
+    out_fla = fwd_bwd(chunk_kda, base, grads)
+    torch.cuda.synchronize()
+    res["fla_first_call_s"] = round(time.time() - t0, 1)
+    log(f"{name}: first call {res['fla_first_call_s']}s; torch path for agreement")
+    out_torch = fwd_bwd(lambda *a, **kw: kda_chunk(*a, **kw), base, grads)
+    labels = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    res["rms_rel_err_torch_vs_fla"] = {lab: rms_rel(a, b) for lab, a, b in zip(labels, out_torch, out_fla)}
+    log(f"{name}: rms rel err torch vs fla {res['rms_rel_err_torch_vs_fla']}")
+    del out_fla, out_torch
+
+    impls = {
+        "fla_chunk_kda": chunk_kda,
+        "ours_kda_dispatch": kda,
+        "ours_torch_kda_chunk": lambda *a, **kw: kda_chunk(*a, **kw),
+    }
+    for label, impl in impls.items():
+        n = torch_iters if "torch" in label else iters
+        with torch.no_grad():
+            fwd = cuda_time_ms(lambda: impl(*base[:5], initial_state=base[5], output_final_state=True), warmup, n)
+        fb = cuda_time_ms(lambda: fwd_bwd(impl, base, grads), warmup, n)
+        res[label] = {"fwd_ms": round(fwd, 3), "fwd_bwd_ms": round(fb, 3),
+                      "fwd_bwd_tokens_per_s": round(B * T / (fb / 1e3))}
+        log(f"{name}: {label}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms, {B * T / (fb / 1e3):,.0f} tok/s")
+    res["dispatch_overhead_fwd_bwd_pct"] = round(
+        100 * (res["ours_kda_dispatch"]["fwd_bwd_ms"] / res["fla_chunk_kda"]["fwd_bwd_ms"] - 1), 2)
+    res["fla_speedup_over_torch_fwd_bwd"] = round(
+        res["ours_torch_kda_chunk"]["fwd_bwd_ms"] / res["fla_chunk_kda"]["fwd_bwd_ms"], 2)
+    RESULTS[name] = res
+
+
+def decode_section() -> None:
+    """One-token step: fla fused_recurrent_kda (via kda dispatch, no grad) vs our recurrent oracle."""
+    from kernels.kda import kda, kda_recurrent
+
+    base = kda_inputs(8, 1, 16, 128, seed=3)
+    with torch.no_grad():
+        o_f, s_f = kda(*base[:5], initial_state=base[5], output_final_state=True)
+        o_t, s_t = kda_recurrent(*base[:5], initial_state=base[5], output_final_state=True)
+    RESULTS["decode_step_rms_rel_err"] = {"o": rms_rel(o_t, o_f), "state": rms_rel(s_t, s_f)}
+    log(f"decode step rms rel err (recurrent vs fla fused_recurrent): {RESULTS['decode_step_rms_rel_err']}")
+
+
+def model_section(T: int, warmup: int, iters: int) -> None:
+    from kernels.kda import kda_backend
+    from policy import build_model
+    from policy.params import count_parameters
+
+    torch.manual_seed(0)
+    model = build_model("small", device="cuda", dtype=torch.bfloat16)
+    counts = count_parameters(model)
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (1, T + 1), device="cuda")
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        logits = model(x).logits
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).backward()
+
+    res: dict[str, Any] = {"params": counts, "tokens": T,
+                           "flops_per_token_6N": 6 * counts["active"]}
+    for backend in ("auto", "torch"):
+        with kda_backend(backend):
+            log(f"model small, kda backend={backend}: warm-up")
+            ms = cuda_time_ms(step, warmup, iters)
+        tps = T / (ms / 1e3)
+        mfu = 6 * counts["active"] * tps / H200_BF16_PEAK
+        label = "fla" if backend == "auto" else "torch"
+        res[label] = {"fwd_bwd_ms": round(ms, 2), "tokens_per_s": round(tps), "mfu_6N_pct": round(100 * mfu, 2)}
+        log(f"model small [{label}]: {ms:.1f} ms/step, {tps:,.0f} tok/s, MFU(6N) {100 * mfu:.2f}%")
+    res["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    RESULTS["model_small"] = res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--torch-iters", type=int, default=3)
+    p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here as JSON")
+    a = p.parse_args()
+    import fla
+    import triton
+
+    RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": triton.__version__, "fla": getattr(fla, "__version__", "?")}
+    log(f"env {RESULTS['env']}")
+    sections: list[tuple[str, Callable[[], None]]] = [
+        ("kda_kimi_linear_layer", lambda: kda_section("kda_kimi_linear_layer", 1, a.seq, 32, 128,
+                                                      a.warmup, a.iters, a.torch_iters)),
+        ("kda_small_layer", lambda: kda_section("kda_small_layer", 1, a.seq, 4, 128, a.warmup, a.iters,
+                                                a.torch_iters)),
+        ("decode", decode_section),
+    ]
+    if not a.skip_model:
+        sections.append(("model_small", lambda: model_section(a.seq, a.warmup, max(3, a.iters // 2))))
+    for name, fn in sections:
+        try:
+            fn()
+        except Exception as e:  # keep the other sections' figures
+            RESULTS[f"{name}_error"] = f"{type(e).__name__}: {e}"
+            log(f"{name} FAILED: {e}")
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(RESULTS, f, indent=1)
+    print(json.dumps(RESULTS, indent=1))
+
+
+if __name__ == "__main__":
+    main()

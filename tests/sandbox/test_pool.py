@@ -1,0 +1,134 @@
+"""SandboxPool: warm start, per-node cap with back-pressure, dead sandboxes replaced, TTL rule."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from sandbox import PoolExhausted, SandboxDead, SandboxLimits, SandboxPool
+from sandbox_testutil import RUN
+
+FAST = dict(episode_deadline=30.0, grading_time=10.0, health_interval=0.2, labels={"run": RUN})
+
+
+@pytest.fixture(params=["process", "docker"])
+def pool_backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "docker":
+        request.getfixturevalue("docker_image")
+    return request.param
+
+
+def test_warm_acquire_is_fast_and_sandboxes_are_fresh(pool_backend: str):
+    with SandboxPool(pool_backend, warm=2, max_live=4, **FAST) as pool:
+        assert pool.wait_ready(2, timeout=60)
+        t0 = time.perf_counter()
+        sb = pool.acquire(labels={"episode": "w1"})
+        took = time.perf_counter() - t0
+        assert took < 0.05, f"warm acquire took {took * 1000:.1f} ms"
+        assert pool.status()["cold_starts"] == 0 and sb.labels["episode"] == "w1"
+        sb.write_file("state", "episode 1")
+        pool.release(sb)
+        assert not sb.alive
+        # the next episode gets a different, clean sandbox, and the pool refills itself
+        sb2 = pool.acquire()
+        assert sb2 is not sb and sb2.exec("ls -A").stdout == ""
+        assert pool.wait_ready(2, timeout=60)
+        sb2.close()
+    assert pool.live == 0
+
+
+def test_ttl_exceeds_deadline_plus_grading():
+    with pytest.raises(ValueError, match="must exceed episode deadline"):
+        SandboxPool("process", warm=0, episode_deadline=100, grading_time=50, ttl=150)
+    with SandboxPool("process", warm=0, max_live=1, episode_deadline=100, grading_time=50, ttl_margin=5,
+                     labels={"run": RUN}) as pool:
+        assert pool.ttl == 155
+        sb = pool.acquire()
+        assert 150 < sb.info()["ttl_left"] <= 155  # the clock starts at acquire, not at warm-up
+        sb.close()
+
+
+def test_cap_queues_and_back_pressure():
+    with SandboxPool("process", warm=1, max_live=2, max_waiters=1, **FAST) as pool:
+        a, b = pool.acquire(), pool.acquire()
+        assert pool.live == 2
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhausted, match="2/2 live"):
+            pool.acquire(timeout=0.3)
+        assert 0.25 < time.monotonic() - t0 < 2
+        # one caller may queue; a second one is refused at once (back-pressure)
+        got: list[object] = []
+        waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout=30)))
+        waiter.start()
+        deadline = time.monotonic() + 5
+        while pool.status()["waiters"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhausted, match="queue full"):
+            pool.acquire(timeout=30)
+        assert time.monotonic() - t0 < 0.5
+        a.close()  # frees a slot: the queued caller gets a sandbox
+        waiter.join(30)
+        assert len(got) == 1 and got[0].exec("echo ok").stdout == "ok\n"  # type: ignore[attr-defined]
+        assert pool.live <= 2
+        b.close()
+        got[0].close()  # type: ignore[attr-defined]
+
+
+def test_dead_sandboxes_are_replaced():
+    with SandboxPool("process", warm=2, max_live=3, **FAST) as pool:
+        assert pool.wait_ready(2, timeout=30)
+        victims = list(pool._idle)
+        for v in victims:  # kill them from outside, as the OOM killer or an admin would
+            os.kill(v._ns_init, signal.SIGKILL)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while pool.status().get("dead_replaced", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.status()["dead_replaced"] >= 2
+        assert pool.wait_ready(2, timeout=30)
+        sb = pool.acquire()
+        assert sb not in victims and sb.exec("echo alive").stdout == "alive\n"
+        sb.close()
+        # a sandbox that dies while idle is skipped by acquire even before a health check
+        pool.health_interval = 3600
+        assert pool.wait_ready(2, timeout=30)
+        for v in list(pool._idle):
+            os.kill(v._ns_init, signal.SIGKILL)  # type: ignore[attr-defined]
+        time.sleep(0.1)
+        sb = pool.acquire(timeout=30)
+        assert sb.exec("echo fresh").stdout == "fresh\n"
+        sb.close()
+
+
+def test_async_pool_runs_episodes_concurrently():
+    async def main() -> list[str]:
+        pool = SandboxPool("process", warm=4, max_live=4, **FAST)
+        try:
+            await pool.await_ready(4, timeout=30)
+
+            async def episode(i: int) -> str:
+                async with pool.asession(labels={"episode": f"as{i}"}) as sb:
+                    r = await sb.aexec(f"sleep 0.3; echo {i}")
+                    return r.stdout.strip()
+
+            return await asyncio.gather(*(episode(i) for i in range(8)))
+        finally:
+            await pool.aclose()
+
+    t0 = time.monotonic()
+    assert asyncio.run(main()) == [str(i) for i in range(8)]
+    assert time.monotonic() - t0 < 10
+
+
+def test_closed_pool_refuses_and_closes_its_sandboxes():
+    pool = SandboxPool("process", warm=1, max_live=2, **FAST)
+    sb = pool.acquire()
+    pool.close()
+    with pytest.raises(SandboxDead):
+        sb.exec("true")
+    with pytest.raises(Exception, match="closed"):
+        pool.acquire()
