@@ -3,7 +3,7 @@ and (when policy has it) the `small` preset's forward+backward tokens/s and MFU 
 
 Run on the device machine (fla-core installed, e.g. from a carried wheel):
 
-    python benchmarks/gpu_kda.py --seq 8192 [--json $OUT/gpu_kda.json] [--skip-model]
+    python benchmarks/gpu_kda.py --seq 8192 [--json $OUT/gpu_kda.json] [--skip-model] [--only model_small]
 
 Timings: CUDA events, median of --iters after --warmup calls (the first call also pays
 Triton compilation/autotuning). fwd+bwd = forward, then backward from fixed random
@@ -165,6 +165,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--torch-iters", type=int, default=3)
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="run only these sections: kda_kimi_linear_layer kda_small_layer decode model_small "
+                        "(each new KDA shape pays fla's Triton autotuning, ~220 s on an H200)")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     a = p.parse_args()
     import fla
@@ -183,6 +186,8 @@ def main() -> None:
     if not a.skip_model:
         sections.append(("model_small", lambda: model_section(a.seq, a.warmup, max(3, a.iters // 2))))
     for name, fn in sections:
+        if a.only is not None and name not in a.only:
+            continue
         try:
             fn()
         except Exception as e:  # keep the other sections' figures

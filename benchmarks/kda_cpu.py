@@ -3,7 +3,7 @@
 Both run on the same inputs in one process, interleaved, float32, chunk 64, with an initial
 state; the ratio ours/theirs is printed. Usage:
 
-    .venv/bin/python benchmarks/kda_cpu.py [--batch 1 --seq 2048 --heads 4 --dim 128 --repeats 3]
+    .venv/bin/python benchmarks/kda_cpu.py [--batch 1 --seq 2048 --heads 4 --dim 128 --repeats 3 --threads 0]
 """
 from __future__ import annotations
 
@@ -54,7 +54,10 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=128, help="K = V head dim")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     a = p.parse_args()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
 
     inputs = make_inputs(a.batch, a.seq, a.heads, a.dim)
     gen = torch.Generator().manual_seed(1)

@@ -55,15 +55,21 @@ def main() -> None:
         again = model(ids[:, :512], routing=out.routing)
         print("replay exact:", torch.equal(out.logits, again.logits))
         model.eval()
-        full = model(ids[:, :300]).logits
-        pre = model(ids[:, :256], use_cache=True)
-        cache, logs = pre.cache, [pre.logits]
-        for t in range(256, 300):
-            o = model(ids[:, t:t + 1], cache=cache, use_cache=True)
-            cache = o.cache
-            logs.append(o.logits)
-        err = (torch.cat(logs, 1) - full).abs().max().item()
-        print(f"decode vs full max abs err (bf16): {err:.3g} (logit scale {full.abs().max().item():.3g})")
+        for label, m in (("bf16", model), ("fp32", build_model("small", device="cuda").eval())):
+            if m is not model:
+                m.load_state_dict(model.state_dict())
+            ref = m(ids[:, :300], return_routing=True)
+            full, r = ref.logits, ref.routing
+            for replay in (False, True):  # replaying the full pass's experts removes routing flips
+                pre = m(ids[:, :256], use_cache=True, routing=r[:, :256] if replay else None)
+                cache, logs = pre.cache, [pre.logits]
+                for t in range(256, 300):
+                    o = m(ids[:, t:t + 1], cache=cache, use_cache=True, routing=r[:, t:t + 1] if replay else None)
+                    cache = o.cache
+                    logs.append(o.logits)
+                err = (torch.cat(logs, 1) - full).abs().max().item()
+                print(f"decode vs full max abs err ({label}, replay={replay}): {err:.3g} "
+                      f"(logit scale {full.abs().max().item():.3g})")
         cache = model(ids[:, :1024], use_cache=True).cache.select([0] * 32)
         tok = ids[:, :1].expand(32, 1).contiguous()
 

@@ -61,12 +61,12 @@ def bash_tool(env: "Environment", timeout_s: float = 10.0, max_chars: int = 2000
 
 
 class Environment:
-    """Base class. Subclasses set `name`, `domain`, `grader` and implement `build_tasks`,
-    `prompt`, `reference_actions` and `grade_payload`; sandboxed ones also `setup`."""
+    """Base class. Subclasses set `name` and `domain` and implement `make_grader`, `build_tasks`,
+    `prompt`, `reference_actions_for` and `grade_payload`; tool users add `make_tools`, sandboxed
+    ones set `needs_sandbox = True` and implement `setup` (and `leak_probes`)."""
 
     name: ClassVar[str] = ""
     domain: ClassVar[str] = ""
-    version: ClassVar[str] = "1"
     system_prompt: str = "You are a helpful assistant."
     max_turns: int = 1
     needs_sandbox: bool = False

@@ -106,7 +106,7 @@ class LocalGrader(_GradingService):
 
     def _grade_uncached(self, req: GradeRequest) -> Grade:
         timeout = self._timeout_for(req)
-        for attempt in range(1 + self.retries):
+        for _ in range(1 + self.retries):
             box: list[Grade] = []
             worker = threading.Thread(target=lambda: box.append(req.grader(req.payload)), daemon=True)
             worker.start()
@@ -125,7 +125,8 @@ class GraderPool(_GradingService):
     """A pool of Ray grader actors: pool.grade(req) -> Grade. Needs ray.init() beforehand."""
 
     def __init__(self, num_actors: int = 2, timeout_s: float | None = None, retries: int = 1,
-                 cache_size: int = 10_000, actor_options: dict[str, Any] | None = None) -> None:
+                 cache_size: int = 10_000, actor_options: dict[str, Any] | None = None,
+                 startup_timeout_s: float = 120.0) -> None:
         super().__init__(timeout_s, retries, cache_size)
         import ray
 
@@ -136,6 +137,8 @@ class GraderPool(_GradingService):
         self.num_actors = num_actors
         # num_cpus=0: graders are light and must not starve rollout workers of CPU slots
         self.actor_options = {"num_cpus": 0, **(actor_options or {})}
+        self.startup_timeout_s = startup_timeout_s
+        self._ready: set[str] = set()
         self._idle: queue.Queue[Any] = queue.Queue()
         self._all: list[Any] = []
         for _ in range(num_actors):
@@ -147,6 +150,15 @@ class GraderPool(_GradingService):
         self._all.append(actor)
         return actor
 
+    def _wait_ready(self, actor: Any) -> None:
+        """Wait for a new actor to start, so its start-up time never counts against a grade's timeout."""
+        import ray
+
+        key = actor._actor_id.hex()
+        if key not in self._ready:
+            ray.get(actor.ready.remote(), timeout=self.startup_timeout_s)
+            self._ready.add(key)
+
     def _parallelism(self) -> int:
         return self.num_actors
 
@@ -156,10 +168,16 @@ class GraderPool(_GradingService):
 
         timeout = self._timeout_for(req)
         errors: list[str] = []
-        for attempt in range(1 + self.retries):
+        for _ in range(1 + self.retries):
             actor = self._idle.get()  # blocks while every actor is busy: back-pressure
             replace = False
             try:
+                try:
+                    self._wait_ready(actor)
+                except GetTimeoutError:
+                    errors.append(f"crashed (the grader actor did not start within {self.startup_timeout_s:g}s)")
+                    replace = True
+                    continue
                 ref = actor.grade.remote(req.grader, req.payload)
                 grade = ray.get(ref, timeout=timeout)
                 return grade
@@ -205,6 +223,9 @@ def _grader_actor_class() -> Any:
 
         @ray.remote(max_restarts=0)
         class GraderActor:
+            def ready(self) -> bool:
+                return True
+
             def grade(self, grader: Grader, payload: dict[str, Any]) -> Grade:
                 return grader(payload)
 

@@ -353,17 +353,22 @@ def kda_gate(
     H = A_log.numel()
     if H == 0:
         raise ValueError("kda_gate: A_log is empty")
-    if f.dim() >= 2 and f.shape[-2] == H:
-        K = f.shape[-1]
-        fh = f.float()
-    elif f.dim() >= 1 and f.shape[-1] % H == 0:
-        K = f.shape[-1] // H
-        fh = f.float().reshape(*f.shape[:-1], H, K)
-    else:
-        raise ValueError(f"kda_gate: f must be [..., H={H}, K] or [..., H*K], got shape {tuple(f.shape)}")
+    # Layout of f: with dt_bias, K = dt_bias.numel() / H fixes it; without, [..., H, K] wins when
+    # the second-last dim equals H (pass f already split into heads to leave no doubt).
     if dt_bias is not None:
-        if dt_bias.numel() != H * K:
-            raise ValueError(f"kda_gate: dt_bias must have H*K={H * K} elements, got shape {tuple(dt_bias.shape)}")
+        if dt_bias.numel() % H:
+            raise ValueError(f"kda_gate: dt_bias must have H*K elements (H={H}), got shape {tuple(dt_bias.shape)}")
+        K = dt_bias.numel() // H
+        heads = f.dim() >= 2 and tuple(f.shape[-2:]) == (H, K)
+        if not heads and (f.dim() == 0 or f.shape[-1] != H * K):
+            raise ValueError(f"kda_gate: f must be [..., H={H}, K={K}] or [..., {H * K}], got shape {tuple(f.shape)}")
+    else:
+        heads = f.dim() >= 2 and f.shape[-2] == H
+        if not heads and (f.dim() == 0 or f.shape[-1] % H):
+            raise ValueError(f"kda_gate: f must be [..., H={H}, K] or [..., H*K], got shape {tuple(f.shape)}")
+        K = f.shape[-1] if heads else f.shape[-1] // H
+    fh = f.float() if heads else f.float().reshape(*f.shape[:-1], H, K)
+    if dt_bias is not None:
         fh = fh + dt_bias.float().reshape(H, K)
     a = A_log.float().reshape(H, 1)
     if lower_bound is None:

@@ -112,7 +112,9 @@ class HybridForCausalLM(nn.Module):
     # ---- forward -------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None, use_cache: bool = False,
                 routing: torch.Tensor | None = None, return_routing: bool = False,
-                return_indexer_loss: bool = False) -> CausalLMOutput:
+                return_indexer_loss: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
+        """Logits [B, T, vocab] float32 (only the last `logits_to_keep` positions when > 0: a
+        prefill with a 160K vocab needs just the last row). See docs/architecture.md."""
         cfg = self.config
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -151,7 +153,10 @@ class HybridForCausalLM(nn.Module):
             if idx is not None:
                 chosen.append(idx)
             stream.add_ffn(m)
-        logits = self.lm_head(self.model.norm(stream.output(self.model)).to(dt)).float()
+        h = stream.output(self.model)
+        if logits_to_keep > 0:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(self.model.norm(h).to(dt)).float()
 
         out_cache = None
         if use_cache:

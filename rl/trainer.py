@@ -133,6 +133,18 @@ class Trainer:
         for old in tags[: -self.cfg.checkpoint.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def _restore(self) -> tuple[int, dict[str, Any] | None] | None:
+        """Load the newest checkpoint of a resumed run: (first step to run, the "before" eval)."""
+        found = latest_checkpoint(self.run_dir) if self.resume else None
+        if not found:
+            return None
+        tag, step = found
+        state = ray.get(self.actors.learner.load.remote(str(self.run_dir / CHECKPOINTS), tag))
+        self.version = int(state["version"])
+        self.say(f"resumed from {tag}: continuing at step {step + 1}")
+        path = self.run_dir / "eval_before.json"
+        return step + 1, (json.loads(path.read_text()) if path.exists() else None)
+
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         self._started_ray = start_ray(cfg)
@@ -140,43 +152,36 @@ class Trainer:
         try:
             if not self.resume:
                 self._gate()
-            env_workers = start_env_side(cfg, self.run_id)
-            self._env_workers = env_workers
-            # Reference episodes feed the tokenizer and the warm-up.
-            episodes = self._reference_episodes(env_workers, cfg.warmup.tasks_per_env)
-            tok = self._tokenizer(episodes)
-            self.tokenizer = tok
+            self._env_workers = start_env_side(cfg, self.run_id)
+            resuming = self.resume and latest_checkpoint(self.run_dir) is not None
+            tok_ready = (self.run_dir / "tokenizer").exists()
+            # Reference episodes train the tokenizer and feed the warm-up; a resumed run needs neither.
+            episodes = {} if resuming and tok_ready else self._reference_episodes(self._env_workers,
+                                                                                   cfg.warmup.tasks_per_env)
+            self.tokenizer = tok = self._tokenizer(episodes)
             spec = model_spec(cfg, tok.vocab_size)
             self.actors = start_policy_side(cfg, self.run_id, spec, str(self.run_dir / "tokenizer"), tok.pad_id,
-                                            env_workers)
+                                            self._env_workers)
             logger = MetricsLogger(self.run_dir, cfg.logging.wandb_mode, cfg.logging.wandb_project, self.run_id,
                                    cfg.model_dump(mode="json"), resume=self.resume)
-            start_step = 0
-            found = latest_checkpoint(self.run_dir) if self.resume else None
-            before: dict[str, Any] | None = None
-            if found:
-                tag, step = found
-                state = ray.get(self.actors.learner.load.remote(str(self.run_dir / CHECKPOINTS), tag))
-                self.version = int(state["version"])
-                start_step = step + 1
-                self.say(f"resumed from {tag}: continuing at step {start_step}")
-                path = self.run_dir / "eval_before.json"
-                before = json.loads(path.read_text()) if path.exists() else None
+            restored = self._restore()
+            if restored:
+                start_step, before = restored
+                self._push_weights()
             else:
+                start_step = 0
                 if cfg.warmup.steps:
                     levels = [lvl for lvl, w in cfg.effort.weights.items() if w > 0]
                     rng = random.Random(cfg.seed)
                     examples = [reference_example(tok, ep["messages"], ep["turns"], rng.choice(levels))
                                 for eps in episodes.values() for ep in eps]
                     self._warmup(examples, logger)
-            self._push_weights()
-            if not found and cfg.eval.before_and_after:
-                before = self._evaluate("before")
+                self._push_weights()
+                before = self._evaluate("before") if cfg.eval.before_and_after else None
             self._train_loop(start_step, logger)
             after = self._evaluate("after") if cfg.eval.before_and_after else None
-            table = eval_table(before, after) if after else None
-            if table is not None and self.console is not None:
-                self.console.print(table)
+            if after is not None and self.console is not None:
+                self.console.print(eval_table(before, after))
             return {"run_dir": str(self.run_dir), "before": before, "after": after, "steps": cfg.train.steps}
         finally:
             if logger is not None:

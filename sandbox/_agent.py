@@ -9,17 +9,18 @@ everything else that runs in the sandbox.
 
 Frames: 8-byte header (json length, blob length, big endian), json, blob.
 """
+import errno
+import io
 import json
 import os
 import selectors
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
-import tarfile
 import time
-import io
 
 HDR = struct.Struct(">II")
 CHUNK = 1 << 16
@@ -273,6 +274,12 @@ class Agent:
                 dropped[fd] += max(0, len(data) - max(room, 0))
             if hung_up:
                 break
+        if not (timed_out or hung_up) and p.poll() is None:
+            # it closed its stdout/stderr but runs on: the timeout still applies
+            try:
+                p.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
         if timed_out or hung_up:
             kill_group(p)
         try:
@@ -317,8 +324,12 @@ class Agent:
         d = os.path.dirname(path)
         if d:
             os.makedirs(d, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, h.get("mode", 0o644))
+        # O_NONBLOCK: a FIFO planted at the path must not hang the agent
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, h.get("mode", 0o644))
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            os.set_blocking(fd, True)
             while True:
                 data = src.read(1 << 20) if not isinstance(src, bytes) else src
                 if not data:
@@ -337,7 +348,14 @@ class Agent:
         path = self.path(h["path"])
         if os.path.isdir(path):
             raise IsADirectoryError(21, "Is a directory", path)
-        f = open(path, "rb")  # errors (missing, denied) surface before streaming starts
+        # errors (missing, denied) surface before streaming starts; only regular files,
+        # so /dev/zero or a FIFO cannot stream forever or hang the agent
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
         limit = h.get("max") or -1
 
         def produce(w):
@@ -357,6 +375,8 @@ class Agent:
             raise NotADirectoryError(20, "Not a directory", path)
 
         def produce(w):
+            import tarfile  # lazily: it costs ~10 ms of every sandbox start
+
             with tarfile.open(fileobj=w, mode="w|") as tf:
                 for name in sorted(os.listdir(path)):
                     tf.add(os.path.join(path, name), arcname=name)
@@ -365,6 +385,8 @@ class Agent:
     def op_tar_in(self, h, src):
         path = self.path(h["path"])
         os.makedirs(path, exist_ok=True)
+        import tarfile
+
         fileobj = io.BytesIO(src) if isinstance(src, bytes) else src
         with tarfile.open(fileobj=fileobj, mode="r|") as tf:
             try:

@@ -86,6 +86,27 @@ def _cgroup_dir(container_id: str) -> _cgroup.Cgroup | None:
     return None
 
 
+def _create_and_start(image: str, command: list[str], name: str, labels: dict[str, str], lim: SandboxLimits,
+                      state: Path) -> str:
+    """Create and start a locked-down container; returns its id. The low-level API skips
+    the inspect round trip that containers.run() makes."""
+    import docker
+
+    api = docker_client().api
+    host_config = api.create_host_config(
+        auto_remove=True, init=True, network_mode="bridge" if lim.network else "none",
+        mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m", nano_cpus=int(lim.cpus * 1e9),
+        pids_limit=lim.pids, read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+        tmpfs={WORKDIR: f"size={lim.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
+               "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
+        binds={str(state): {"bind": "/run/rl", "mode": "ro"}},
+        ulimits=[docker.types.Ulimit(name="nofile", soft=4096, hard=4096)])
+    resp = api.create_container(image, command, name=name, labels=labels, hostname="sandbox", user=SANDBOX_USER,
+                                working_dir=WORKDIR, host_config=host_config)
+    api.start(resp["Id"])
+    return str(resp["Id"])
+
+
 class DockerSandbox(AgentSandbox):
     backend = "docker"
 
@@ -94,7 +115,7 @@ class DockerSandbox(AgentSandbox):
         super().__init__(image or DEFAULT_IMAGE, limits or SandboxLimits(), labels, env)
         self._state = STATE_ROOT / "docker" / self.id
         self._sock: socket.socket | None = None
-        self.container: Any = None
+        self.container_id: str | None = None
         self._cg: _cgroup.Cgroup | None = None
         try:
             self._start()
@@ -125,19 +146,8 @@ class DockerSandbox(AgentSandbox):
             srv.listen(1)
             cfg = self._agent_config(connect="/run/rl/agent.sock")
             try:
-                self.container = docker_client().containers.run(
-                    self.image, ["python3", "-I", "-S", "/run/rl/agent.py", cfg],
-                    name=f"rl-sb-{self.id}", detach=True, auto_remove=True, init=True,
-                    labels=self.docker_labels(), hostname="sandbox", user=SANDBOX_USER, working_dir=WORKDIR,
-                    network_mode="bridge" if lim.network else "none",
-                    mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m",
-                    nano_cpus=int(lim.cpus * 1e9), pids_limit=lim.pids, read_only=True, cap_drop=["ALL"],
-                    security_opt=["no-new-privileges"],
-                    tmpfs={WORKDIR: f"size={lim.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
-                           "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
-                    volumes={str(self._state): {"bind": "/run/rl", "mode": "ro"}},
-                    ulimits=[docker.types.Ulimit(name="nofile", soft=4096, hard=4096)],
-                )
+                self.container_id = _create_and_start(self.image, ["python3", "-I", "-S", "/run/rl/agent.py", cfg],
+                                                      f"rl-sb-{self.id}", self.docker_labels(), lim, self._state)
             except docker.errors.ImageNotFound:
                 raise SandboxError(f"docker image {self.image!r} not found: build it with `rl sandbox build-image`") from None
             except docker.errors.APIError as e:
@@ -164,18 +174,24 @@ class DockerSandbox(AgentSandbox):
             raise SandboxError(f"docker sandbox agent did not answer: {e}; {self._logs()}") from None
         if not hello.get("ready"):
             raise SandboxError(f"docker sandbox agent said {hello}")
-        self._cg = _cgroup_dir(self.container.id)
+        self._cg = _cgroup_dir(self.container_id)
+
+    @property
+    def container(self) -> Any:
+        """The docker SDK's Container object (looked up on demand)."""
+        return docker_client().containers.get(self.container_id)
 
     def _container_running(self) -> bool:
         try:
-            self.container.reload()
-            return self.container.status in ("created", "running")
+            state = docker_client().api.inspect_container(self.container_id)["State"]
+            return state["Status"] in ("created", "running")
         except Exception:
             return False
 
     def _logs(self) -> str:
         try:
-            return self.container.logs(tail=5).decode(errors="replace").strip().replace("\n", " | ")
+            logs = docker_client().api.logs(self.container_id, tail=5)
+            return logs.decode(errors="replace").strip().replace("\n", " | ")
         except Exception:
             return "(no logs: container gone)"
 
@@ -200,9 +216,9 @@ class DockerSandbox(AgentSandbox):
                 self._sock.close()  # the agent exits on EOF; auto-remove deletes the container
             except OSError:
                 pass
-        if self.container is not None:
+        if self.container_id is not None:
             try:
-                self.container.remove(force=True)
+                docker_client().api.remove_container(self.container_id, force=True)
             except docker.errors.APIError:
                 pass  # already gone (auto-removed) or being removed
         shutil.rmtree(self._state, ignore_errors=True)

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Iterator, Mapping, AsyncIterator
 
-from .base import Sandbox, SandboxError, SandboxLimits, run_blocking
+from .base import Sandbox, SandboxError, SandboxLimits, Snapshot, run_blocking
 
 
 class PoolExhausted(SandboxError):
@@ -171,6 +171,25 @@ class SandboxPool:
                         raise SandboxError("sandbox pool is closed")
             finally:
                 self._waiters -= 1
+
+    def fork(self, snap: Snapshot, timeout: float | None = None, labels: Mapping[str, str] | None = None) -> Sandbox:
+        """A sandbox whose work dir starts as `snap`, made from a warm one: the fast way to
+        fork a GRPO group (no container start on the critical path)."""
+        if snap.backend != self.backend:
+            raise ValueError(f"snapshot of a {snap.backend} sandbox cannot seed a {self.backend} pool")
+        sb = self.acquire(timeout, labels)
+        try:
+            if snap.image is not None and sb.image is not None and snap.image != sb.image:
+                raise ValueError(f"snapshot image {snap.image!r} differs from the pool's {sb.image!r}")
+            sb.put_archive(sb.workdir, snap.archive)
+        except BaseException:
+            sb.close()
+            raise
+        return sb
+
+    async def afork(self, snap: Snapshot, timeout: float | None = None,
+                    labels: Mapping[str, str] | None = None) -> Sandbox:
+        return await run_blocking(self.fork, snap, timeout, labels)
 
     def release(self, sb: Sandbox) -> None:
         """End of episode: destroy the sandbox (its slot is refilled with a fresh one)."""

@@ -228,6 +228,11 @@ def test_kda_gate_forms():
         kda_gate(torch.randn(2, 7), A_log, None)
     with pytest.raises(ValueError, match="dt_bias"):
         kda_gate(f, A_log, torch.randn(5))
+    with pytest.raises(ValueError, match="f must be"):
+        kda_gate(f, A_log, torch.randn(H * (K + 1)))
+    # T == H in a flat [B, T, H*K] input: dt_bias settles the layout (no guessing on the T dim)
+    f_tie = torch.randn(2, H, H * K, generator=gen)
+    assert kda_gate(f_tie, A_log, dt_bias).shape == (2, H, H, K)
     with pytest.raises(ValueError, match="lower_bound"):
         kda_gate(f, A_log, dt_bias, lower_bound=5.0)
     assert math.isclose(kda_gate(torch.zeros(1, H, K), torch.zeros(H), None, lower_bound=-5.0)[0, 0, 0].item(),

@@ -32,9 +32,11 @@ def test_toy_preset_shape_and_size():
     n = m.num_parameters()["total"]
     assert 1_000_000 <= n <= 3_000_000, n
     assert m.lm_head.weight.data_ptr() != m.model.embed_tokens.weight.data_ptr()  # untied
-    out = m(torch.randint(0, 512, (2, 9)), return_routing=True)
+    x = torch.randint(0, 512, (2, 9))
+    out = m(x, return_routing=True)
     assert out.logits.shape == (2, 9, 512) and out.logits.dtype == torch.float32
     assert out.routing.shape == (2, 9, 3, cfg.num_experts_per_token) and out.cache is None
+    torch.testing.assert_close(m(x, logits_to_keep=1).logits, out.logits[:, -1:])
 
 
 def test_prefill_then_decode_equals_full_forward(model):

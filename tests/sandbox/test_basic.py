@@ -55,6 +55,15 @@ def test_files_upload_download(make_sb, tmp_path: Path):
         sb.read_file("missing.txt")
     with pytest.raises(IsADirectoryError):
         sb.read_file("d")
+    # special files cannot make the agent stream forever or block
+    with pytest.raises(OSError, match="not a regular file"):
+        sb.read_file("/dev/zero")
+    assert sb.exec("mkfifo pipe").ok
+    with pytest.raises(OSError, match="not a regular file"):
+        sb.read_file("pipe")
+    with pytest.raises(OSError):
+        sb.write_file("pipe", "x")
+    assert sb.exec("echo still answering").stdout == "still answering\n"
 
     src = tmp_path / "src"
     (src / "pkg").mkdir(parents=True)
@@ -132,3 +141,20 @@ def test_open_sandbox_rejects_bad_arguments():
         SandboxLimits(memory_mb=0)
     with pytest.raises(sandbox.SandboxError, match="rootfs"):
         sandbox.open_sandbox("process", image="/nonexistent-rootfs")
+
+
+def test_process_backend_runs_on_the_base_rootfs():
+    """The debootstrap rootfs kept by build-image is also a process-backend image."""
+    from sandbox.images import base_rootfs
+
+    root = base_rootfs()
+    if root is None:
+        pytest.skip("no base rootfs kept on this node (run `rl sandbox build-image --force` to keep one)")
+    # a file the host's /usr has and the minimal rootfs lacks tells the two apart
+    probe = next(p for p in ("/usr/bin/bwrap", "/usr/bin/unshare", "/usr/bin/dpkg") if Path(p).exists()
+                 and not (root / p.lstrip("/")).exists())
+    with sandbox.open_sandbox("process", image=str(root), labels={"run": "pytest", "episode": "rootfs"}) as sb:
+        r = sb.exec(f"test -e {probe}; echo $?; python3 -c 'print(6*7)'")
+        assert r.stdout.split() == ["1", "42"], r
+    with sandbox.open_sandbox("process", labels={"run": "pytest", "episode": "host-usr"}) as sb:
+        assert sb.exec(f"test -e {probe}; echo $?").stdout.strip() == "0"

@@ -79,6 +79,9 @@ def test_endless_loop_times_out(make_sb):
     took = time.monotonic() - t0
     assert r.timed_out and r.exit_code == 124 and "timed out" in (r.error or ""), r
     assert 0.9 < took < 5
+    # closing stdout/stderr does not escape the timeout
+    r = sb.exec("exec >&- 2>&-; sleep 30", timeout=1.0)
+    assert r.timed_out and r.wall_time < 5, r
     # children of the timed-out command are gone too
     r = sb.exec("sh -c 'sleep 300 & sleep 301' ", timeout=0.5)
     assert r.timed_out

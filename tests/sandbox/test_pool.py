@@ -132,3 +132,20 @@ def test_closed_pool_refuses_and_closes_its_sandboxes():
         sb.exec("true")
     with pytest.raises(Exception, match="closed"):
         pool.acquire()
+
+
+def test_pool_fork_seeds_warm_sandboxes_from_a_snapshot(pool_backend: str):
+    with SandboxPool(pool_backend, warm=2, max_live=4, **FAST) as pool:
+        parent = pool.acquire()
+        parent.write_file("prefix.txt", "shared prompt state")
+        snap = parent.snapshot()
+        assert pool.wait_ready(2, timeout=60)
+        kids = [pool.fork(snap, labels={"episode": f"k{i}"}) for i in range(2)]
+        kids[0].write_file("prefix.txt", "changed")
+        assert kids[1].read_file("prefix.txt") == b"shared prompt state"
+        assert parent.read_file("prefix.txt") == b"shared prompt state"
+        for sb in (parent, *kids):
+            sb.close()
+        other = "docker" if pool_backend == "process" else "process"
+        with pytest.raises(ValueError, match="cannot seed"):
+            pool.fork(type(snap)(backend=other, image=None, archive=snap.archive))
