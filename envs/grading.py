@@ -108,7 +108,15 @@ class LocalGrader(_GradingService):
         timeout = self._timeout_for(req)
         for _ in range(1 + self.retries):
             box: list[Grade] = []
-            worker = threading.Thread(target=lambda: box.append(req.grader(req.payload)), daemon=True)
+
+            def run() -> None:
+                try:
+                    box.append(req.grader(req.payload))
+                except BaseException as exc:  # noqa: BLE001 - sys.exit() in a grader must not look like a hang
+                    box.append(Grade.failed(req.grader_version, f"grader crashed: {type(exc).__name__}: {exc}",
+                                            task_id=req.task_id))
+
+            worker = threading.Thread(target=run, daemon=True)
             worker.start()
             worker.join(timeout)
             if box:

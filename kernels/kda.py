@@ -165,8 +165,9 @@ def _intra_chunk_grams(q: Tensor, k: Tensor, gam: Tensor, sub: int) -> tuple[Ten
         # exp(p_i - gam_c), both exponents <= 0, so neither factor can overflow.
         piv = gam[..., sub - 1 : C - 1 : sub, :]  # [..., ns-1, K]
         rows = gb[..., 1:, :, :]  # [..., ns-1, sub, K]
-        lq = q.reshape(*lead, ns, sub, K)[..., 1:, :, :] * (rows - piv.unsqueeze(-2)).exp()
-        lk = kb[..., 1:, :, :] * (rows - piv.unsqueeze(-2)).exp()
+        row_decay = (rows - piv.unsqueeze(-2)).exp()
+        lq = q.reshape(*lead, ns, sub, K)[..., 1:, :, :] * row_decay
+        lk = kb[..., 1:, :, :] * row_decay
         cols = gam[..., : C - sub, :]  # [..., C-sub, K]
         col_ok = (
             torch.arange(C - sub, device=k.device)[None, :]

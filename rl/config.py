@@ -110,6 +110,7 @@ class EvalConfig(Section):
     tasks_per_env: int = Field(default=32, ge=1)
     efforts: list[str] = Field(default_factory=lambda: list(EFFORT_LEVELS))
     temperature: float = Field(default=0.0, ge=0)  # 0 = greedy
+    samples_per_task: int = Field(default=1, ge=1)  # decoded together, like a GRPO group
     before_and_after: bool = True
 
     @field_validator("efforts")

@@ -38,7 +38,7 @@ def evaluate_checkpoint(config_path: str, checkpoint: str, overrides: list[str],
                                    with_learner=False)
         e = cfg.eval
         result = ray.get(actors.scheduler.evaluate.remote([x.name for x in cfg.envs], e.efforts, e.tasks_per_env,
-                                                          e.temperature, "eval"))
+                                                          e.samples_per_task, e.temperature, "eval"))
         summary = summarise_eval(result["samples"])
         if console is not None:
             console.print(eval_table(None, summary))

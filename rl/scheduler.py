@@ -69,9 +69,10 @@ class RolloutScheduler:
                                   temperature=self.plan.temperature, top_p=self.plan.top_p))
         return items
 
-    def plan_eval(self, env: str, efforts: list[str], n_tasks: int, temperature: float, tag: str) -> list[WorkItem]:
+    def plan_eval(self, env: str, efforts: list[str], n_tasks: int, samples: int, temperature: float,
+                  tag: str) -> list[WorkItem]:
         tasks = self.task_ids[env]["heldout"][:n_tasks]
-        return [WorkItem(uid=f"{tag}/{env}/{level}/{t}", env=env, task_id=task, effort=level, group_size=1,
+        return [WorkItem(uid=f"{tag}/{env}/{level}/{t}", env=env, task_id=task, effort=level, group_size=samples,
                          seed=t, max_new_tokens=self.plan.effort_budgets[level], temperature=temperature,
                          top_p=1.0)
                 for level in efforts for t, task in enumerate(tasks)]
@@ -81,8 +82,9 @@ class RolloutScheduler:
         items = self.plan_step(step, n_groups)
         return self.run(items)
 
-    def evaluate(self, envs: list[str], efforts: list[str], n_tasks: int, temperature: float, tag: str) -> dict[str, Any]:
-        items = [it for env in envs for it in self.plan_eval(env, efforts, n_tasks, temperature, tag)]
+    def evaluate(self, envs: list[str], efforts: list[str], n_tasks: int, samples: int, temperature: float,
+                 tag: str) -> dict[str, Any]:
+        items = [it for env in envs for it in self.plan_eval(env, efforts, n_tasks, samples, temperature, tag)]
         return self.run(items)
 
     def run(self, items: list[WorkItem]) -> dict[str, Any]:

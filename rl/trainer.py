@@ -118,7 +118,8 @@ class Trainer:
     def _evaluate(self, tag: str) -> dict[str, Any]:
         e = self.cfg.eval
         envs = [entry.name for entry in self.cfg.envs]
-        result = ray.get(self.actors.scheduler.evaluate.remote(envs, e.efforts, e.tasks_per_env, e.temperature, tag))
+        result = ray.get(self.actors.scheduler.evaluate.remote(envs, e.efforts, e.tasks_per_env,
+                                                                   e.samples_per_task, e.temperature, tag))
         summary = summarise_eval(result["samples"])
         (self.run_dir / f"eval_{tag}.json").write_text(json.dumps(summary, indent=1))
         return summary

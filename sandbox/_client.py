@@ -44,6 +44,7 @@ class AgentConnection:
         self.rfd, self.wfd = rfd, wfd
         self.lock = threading.Lock()
         self.broken: str | None = None
+        self.pending = 0  # replies owed for send_nowait() requests
 
     def _read_exact(self, n: int, deadline: float) -> bytes:
         parts: list[bytes] = []
@@ -101,6 +102,7 @@ class AgentConnection:
             if self.broken:
                 raise SandboxDead(self.broken)
             try:
+                self._drain_pending()
                 deadline = time.monotonic() + timeout
                 if chunked:
                     self._send_chunks(head, blob)
@@ -115,6 +117,28 @@ class AgentConnection:
         if not res.get("ok"):
             raise _error_from(res)
         return res, out
+
+
+    def _drain_pending(self) -> None:
+        """Consume the replies of earlier send_nowait() requests (lock held)."""
+        while self.pending:
+            self.recv(GRACE)
+            self.pending -= 1
+
+    def send_nowait(self, head: Mapping[str, Any]) -> None:
+        """Send a small request without waiting for its reply (read before the next call).
+
+        A dead agent still fails here (EPIPE / connection reset), so only the reply's
+        round trip is saved: the pool uses it to start a sandbox's TTL clock at acquire."""
+        with self.lock:
+            if self.broken:
+                raise SandboxDead(self.broken)
+            try:
+                self._send(head, b"")
+                self.pending += 1
+            except OSError as e:
+                self.broken = f"sandbox agent lost during {head.get('op')!r}: {e}"
+                raise SandboxDead(self.broken) from None
 
 
 def _error_from(res: Mapping[str, Any]) -> Exception:
@@ -220,10 +244,19 @@ class AgentSandbox(Sandbox):
         return {"id": self.id, "backend": self.backend, "image": self.image, "labels": dict(self.labels),
                 "ttl_left": float(res["remaining"]), "agent_pid": res["pid"]}
 
-    def set_deadline(self, ttl: float) -> None:
+    def set_deadline(self, ttl: float, wait: bool = True) -> None:
         if ttl <= 0:
             raise ValueError(f"ttl must be > 0, got {ttl}")
-        self._call({"op": "deadline", "ttl": float(ttl)}, timeout=5.0)
+        if wait:
+            self._call({"op": "deadline", "ttl": float(ttl)}, timeout=5.0)
+            return
+        if self._closed or self._conn is None:
+            raise SandboxDead(f"sandbox {self.id} is closed")
+        try:
+            self._conn.send_nowait({"op": "deadline", "ttl": float(ttl)})
+        except SandboxDead:
+            self.close()
+            raise
 
     def close(self) -> None:
         with self._close_lock:
@@ -234,7 +267,8 @@ class AgentSandbox(Sandbox):
         if conn is not None and conn.broken is None and conn.lock.acquire(timeout=0.5):
             try:  # polite first: the agent kills its processes and exits
                 conn._send({"op": "close"}, b"")
-                conn.recv(timeout=1.0)
+                for _ in range(conn.pending + 1):
+                    conn.recv(timeout=1.0)
             except Exception:
                 pass
             finally:

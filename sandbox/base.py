@@ -217,8 +217,10 @@ class Sandbox(abc.ABC):
         """Live facts about the sandbox (at least `ttl_left`, seconds until it is destroyed)."""
 
     @abc.abstractmethod
-    def set_deadline(self, ttl: float) -> None:
-        """Restart the lifetime clock: the sandbox is destroyed `ttl` seconds from now."""
+    def set_deadline(self, ttl: float, wait: bool = True) -> None:
+        """Restart the lifetime clock: the sandbox is destroyed `ttl` seconds from now.
+
+        wait=False does not wait for the acknowledgement (it is read before the next call)."""
 
     @abc.abstractmethod
     def _spawn_like(self, labels: Mapping[str, str]) -> "Sandbox":
@@ -317,8 +319,8 @@ class Sandbox(abc.ABC):
     async def aping(self) -> bool:
         return await run_blocking(self.ping)
 
-    async def aset_deadline(self, ttl: float) -> None:
-        await run_blocking(self.set_deadline, ttl)
+    async def aset_deadline(self, ttl: float, wait: bool = True) -> None:
+        await run_blocking(self.set_deadline, ttl, wait)
 
     async def aclose(self) -> None:
         await run_blocking(self.close)

@@ -9,6 +9,7 @@ owner, a finished run or an expired TTL left behind.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -67,14 +68,21 @@ def docker_available(timeout: float = 2.0) -> bool:
     return ok
 
 
+_images_seen: dict[str, float] = {}
+
+
 def image_exists(name: str) -> bool:
+    """Whether the daemon has the image (a hit is cached for 10 s: 'auto' asks on every open)."""
     import docker.errors
 
-    try:
-        docker_client().images.get(name)
+    if time.monotonic() - _images_seen.get(name, -1e9) < 10.0:
         return True
+    try:
+        docker_client().api.inspect_image(name)
     except docker.errors.ImageNotFound:
         return False
+    _images_seen[name] = time.monotonic()
+    return True
 
 
 def _cgroup_dir(container_id: str) -> _cgroup.Cgroup | None:
@@ -117,6 +125,7 @@ class DockerSandbox(AgentSandbox):
         self._sock: socket.socket | None = None
         self.container_id: str | None = None
         self._cg: _cgroup.Cgroup | None = None
+        _sweep_once()
         try:
             self._start()
         except BaseException:
@@ -138,6 +147,8 @@ class DockerSandbox(AgentSandbox):
         # The host listens and the container connects: the state dir is mounted read-only,
         # so the sandbox cannot write to the host's disk through it.
         self._state.mkdir(parents=True, mode=0o755)
+        (self._state / "owner.json").write_text(json.dumps({"owner_pid": os.getpid(),
+                                                             "owner_start": _start_time(os.getpid())}))
         (self._state / "agent.py").write_text(AGENT_SOURCE)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -263,7 +274,41 @@ def gc_docker_sandboxes(all_: bool = False, run: str | None = None) -> list[str]
             pass
         shutil.rmtree(STATE_ROOT / "docker" / s["id"], ignore_errors=True)
         removed.append(s["id"])
+    sweep_state_dirs()
     return removed
+
+
+def sweep_state_dirs() -> list[str]:
+    """Remove the host-side dirs (agent socket, agent.py) of docker sandboxes whose owner
+    died: the container itself went with its owner, this bookkeeping did not."""
+    removed = []
+    try:
+        entries = list((STATE_ROOT / "docker").iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        try:
+            meta = json.loads((d / "owner.json").read_text())
+        except (OSError, ValueError):
+            try:
+                if time.time() - d.stat().st_mtime < 60:
+                    continue  # being created right now
+            except OSError:
+                continue
+            meta = {}
+        if not owner_alive(meta.get("owner_pid"), meta.get("owner_start")):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+    return removed
+
+
+_SWEPT = threading.Event()
+
+
+def _sweep_once() -> None:
+    if not _SWEPT.is_set():
+        _SWEPT.set()
+        sweep_state_dirs()
 
 
 def raw_docker_run_kwargs(limits: SandboxLimits) -> dict[str, Any]:

@@ -135,7 +135,11 @@ class SandboxPool:
                             self._busy.add(sb)
                         self._cv.notify_all()
             try:
-                sb.set_deadline(self.ttl)  # the TTL clock starts now; also proves it is alive
+                # the TTL clock starts now; a dead agent fails the write (EPIPE). Not waiting
+                # for the ack keeps warm start-to-ready at a pipe write.
+                if not sb.alive:
+                    raise SandboxError("died while idle")
+                sb.set_deadline(self.ttl, wait=False)
             except Exception:
                 self.stats["dead_replaced"] += 1
                 sb.close()

@@ -213,8 +213,8 @@ class ProcessSandbox(AgentSandbox):
             r = _replace_error(r, f"killed: out of memory (limit {self.limits.memory_mb} MiB)")
         return r
 
-    def set_deadline(self, ttl: float) -> None:
-        super().set_deadline(ttl)
+    def set_deadline(self, ttl: float, wait: bool = True) -> None:
+        super().set_deadline(ttl, wait)
         try:
             meta = json.loads((self._state / "meta.json").read_text())
             meta["expires"] = time.time() + ttl

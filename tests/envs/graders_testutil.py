@@ -43,3 +43,10 @@ class CountingGrader(Grader):
     def score(self, payload: dict[str, Any]) -> Grade:
         ok = payload["x"] % 2 == 0
         return Grade(reward=float(ok), passed=ok, grader_version="", details={"pid": os.getpid()})
+
+
+class ExitingGrader(Grader):
+    version = "exit-1"
+
+    def score(self, payload: dict[str, Any]) -> Grade:
+        raise SystemExit(3)

@@ -15,7 +15,7 @@ from envs.grades import GradeRequest
 from envs.grading import GraderPool, LocalGrader
 from envs.grading_http import GradeServer, HttpGrader
 import graders_testutil
-from graders_testutil import CountingGrader, CrashingGrader, RaisingGrader, SleepyGrader
+from graders_testutil import CountingGrader, CrashingGrader, ExitingGrader, RaisingGrader, SleepyGrader
 
 
 def _req(grader, **payload):
@@ -95,6 +95,7 @@ def test_local_grader_timeout_and_errors():
     assert g.error == "grader timed out after 0.5s (1 attempt(s))" and not g.passed
     assert local.grade(_req(RaisingGrader())).error.startswith("grader raised ValueError")
     assert local.grade(_req(CountingGrader(), x=0)).passed
+    assert local.grade(_req(ExitingGrader())).error == "grader crashed: SystemExit: 3"
 
 
 def test_pool_needs_ray_running():

@@ -105,3 +105,13 @@ def test_last_check_is_recorded_for_list():
 def test_gate_uses_the_ray_grader_pool_when_ray_runs(ray_session):
     report = check_env("math", {}, max_tasks=2)
     assert report["ok"], report["reasons"]
+
+
+def test_shell_and_code_pass_the_gate_on_docker():
+    from sandbox import docker_available
+
+    if not docker_available():
+        pytest.skip("no Docker daemon answers here; the process backend is covered above")
+    for name in ("shell-fix-test", "code"):
+        report = check_env(name, {"sandbox_backend": "docker"}, max_tasks=1, replays=2, grader=LocalGrader())
+        assert report["ok"], (name, report["reasons"])

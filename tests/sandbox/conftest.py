@@ -19,6 +19,9 @@ import pytest
 _REPO = str(Path(__file__).resolve().parents[2])
 if _REPO not in sys.path[:1]:
     sys.path.insert(0, _REPO)
+_HERE = str(Path(__file__).resolve().parent)  # sandbox_testutil, also under --import-mode=importlib
+if _HERE not in sys.path:
+    sys.path.append(_HERE)
 if getattr(sys.modules.get("sandbox"), "__file__", "") is None:
     del sys.modules["sandbox"]
 

@@ -62,6 +62,11 @@ def test_killed_owner_leaves_no_container_or_process(backend: str):
             return not docker_client().containers.list(all=True, filters={"label": f"rl.id={sb_id}"})
 
         assert _wait(gone, 15), "container outlived its owner"
+        from sandbox.docker_backend import gc_docker_sandboxes
+        from sandbox.process_backend import STATE_ROOT
+
+        gc_docker_sandboxes()  # the host-side socket dir goes too
+        assert not (STATE_ROOT / "docker" / sb_id).exists()
     else:
         from sandbox.process_backend import PROCESS_STATE, gc_process_sandboxes
 

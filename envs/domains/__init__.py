@@ -1,0 +1,1 @@
+"""Built-in domains: math, code (incl. HumanEval), agentic shell, tool use (lookup)."""
