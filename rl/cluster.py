@@ -76,12 +76,19 @@ def loss_config(cfg: RunConfig) -> LossConfig:
                       loss_agg=t.loss_agg, norm_len=cfg.rollout.max_context)
 
 
+def env_kwargs(cfg: RunConfig, name: str) -> dict[str, Any]:
+    """An environment's constructor kwargs; environments that open their own sandboxes (to grade,
+    for instance) use the run's sandbox backend unless the config says otherwise."""
+    entry = next(e for e in cfg.envs if e.name == name)
+    return {"sandbox_backend": cfg.sandbox_backend, **entry.kwargs}
+
+
 def start_env_side(cfg: RunConfig, run_id: str) -> list:
     """The environment workers (each owns its grader pool): needed before the policy exists
     (reference episodes train the tokenizer and feed the warm-up)."""
     from rl.env_worker import EnvWorker
 
-    env_specs = {e.name: e.kwargs for e in cfg.envs}
+    env_specs = {e.name: env_kwargs(cfg, e.name) for e in cfg.envs}
     grading = {"num_actors": cfg.grader.num_workers, "timeout_s": cfg.grader.timeout_s, "retries": cfg.grader.retries}
     return [
         ray.remote(EnvWorker).options(num_cpus=0.25, name=f"env-{run_id}-{i}", max_restarts=2)

@@ -12,7 +12,7 @@ from typing import Any
 
 import ray
 
-from rl.cluster import RunActors, model_spec, start_env_side, start_policy_side, start_ray
+from rl.cluster import RunActors, env_kwargs, model_spec, start_env_side, start_policy_side, start_ray
 from rl.config import RunConfig, dump_config, load_config
 from rl.episodes import episode_texts, reference_example
 from rl.evaluation import eval_table, summarise_eval
@@ -86,7 +86,7 @@ class Trainer:
             return
         reports = {}
         for entry in self.cfg.envs:
-            report = check_env(entry.name, entry.kwargs, max_tasks=self.cfg.gate.max_tasks)
+            report = check_env(entry.name, env_kwargs(self.cfg, entry.name), max_tasks=self.cfg.gate.max_tasks)
             reports[entry.name] = report.to_dict() if hasattr(report, "to_dict") else asdict(report)
             ok = reports[entry.name]["ok"]
             reason = "; ".join(reports[entry.name].get("reasons", []))

@@ -40,7 +40,10 @@ class Cgroup:
 
     @classmethod
     def create(cls, name: str, memory_mb: int, pids: int, cpus: float) -> "Cgroup | None":
-        """Create and configure; None when cgroups are not writable here."""
+        """Create and configure; None when cgroups are not writable here (or
+        RL_SANDBOX_NO_CGROUP=1, to exercise the rlimit fallback)."""
+        if os.environ.get("RL_SANDBOX_NO_CGROUP") == "1":
+            return None
         paths = _self_paths()
         dirs: list[Path] = []
         cg = cls(name, dirs, _is_v2())

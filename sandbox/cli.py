@@ -71,12 +71,12 @@ def ls_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object p
         typer.echo("no sandboxes")
         return
     now = time.time()
-    typer.echo(f"{'ID':<14}{'BACKEND':<9}{'STATUS':<10}{'OWNER':<14}{'TTL LEFT':>9}  LABELS")
+    typer.echo(f"{'ID':<14}{'BACKEND':<9}{'STATUS':<10}{'OWNER':<14}{'AGE':>8}  LABELS")
     for r in rows:
         owner = f"{r.get('owner_pid')}{'' if r.get('owner_alive') else ' (dead)'}"
-        left = f"{(r['expires'] - now):.0f}s" if r.get("expires") else "-"
+        age = f"{(now - r['created']):.0f}s" if r.get("created") else "-"
         labels = ",".join(f"{k}={v}" for k, v in (r.get("labels") or {}).items())
-        typer.echo(f"{r['id']:<14}{r['backend']:<9}{r.get('status', '?'):<10}{owner:<14}{left:>9}  {labels}")
+        typer.echo(f"{r['id']:<14}{r['backend']:<9}{r.get('status', '?'):<10}{owner:<14}{age:>8}  {labels}")
 
 
 @sandbox_app.command("gc")
@@ -84,7 +84,8 @@ def gc_cmd(
     all_: bool = typer.Option(False, "--all", help="Remove every sandbox, even ones with a live owner."),
     run: Optional[str] = typer.Option(None, "--run", help="Remove the sandboxes of this run only."),
 ) -> None:
-    """Remove sandboxes whose owner died, whose TTL passed, that stopped (or --all / --run)."""
+    """Remove sandboxes whose owner died or that stopped (or --all / --run). TTLs are
+    enforced inside each sandbox."""
     from .docker_backend import docker_available, gc_docker_sandboxes
     from .process_backend import gc_process_sandboxes
 

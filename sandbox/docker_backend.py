@@ -137,7 +137,7 @@ class DockerSandbox(AgentSandbox):
         labels = {f"rl.{k}": v for k, v in self.labels.items()}
         labels.update({LABEL: "1", "rl.id": self.id, "rl.owner_pid": str(os.getpid()),
                        "rl.owner_start": str(_start_time(os.getpid()) or ""), "rl.owner_host": HOST,
-                       "rl.expires": f"{self.created + self.limits.ttl:.0f}"})
+                       "rl.created": f"{self.created:.0f}"})
         return labels
 
     def _start(self) -> None:
@@ -247,25 +247,24 @@ def list_docker_sandboxes() -> list[dict[str, Any]]:
                     "owner_pid": pid, "owner_host": lab.get("rl.owner_host"),
                     # owners on other hosts cannot be checked from here: treat as alive
                     "owner_alive": owner_alive(pid, start) if local else True,
-                    "expires": float(lab.get("rl.expires") or 0) or None,
+                    "created": float(lab.get("rl.created") or 0) or None,
                     "labels": {k[3:]: v for k, v in lab.items() if k.startswith("rl.") and k[3:] not in
-                               ("sandbox", "id", "owner_pid", "owner_start", "owner_host", "expires")},
+                               ("sandbox", "id", "owner_pid", "owner_start", "owner_host", "created")},
                     "_container": c})
     return out
 
 
 def gc_docker_sandboxes(all_: bool = False, run: str | None = None) -> list[str]:
-    """Remove sandbox containers of dead owners, expired TTLs, stopped ones, a run's, or all."""
+    """Remove sandbox containers of dead owners, stopped ones, a run's, or all."""
     import docker.errors
 
     removed = []
-    now = time.time()
     for s in list_docker_sandboxes():
+        # no TTL test here: the agent enforces it (and a pool moves it at acquire)
         if run is not None:
             stale = s["labels"].get("run") == run
         else:
-            stale = (all_ or not s["owner_alive"] or (s["expires"] is not None and s["expires"] < now)
-                     or s["status"] not in ("created", "running"))
+            stale = all_ or not s["owner_alive"] or s["status"] not in ("created", "running")
         if not stale:
             continue
         try:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 import time
 from typing import Any, Iterator, Mapping, AsyncIterator
 
+from ._slots import NodeSlots
 from .base import Sandbox, SandboxError, SandboxLimits, Snapshot, run_blocking
+from .process_backend import STATE_ROOT
 
 
 class PoolExhausted(SandboxError):
@@ -28,7 +31,8 @@ class SandboxPool:
                  warm: int = 4, max_live: int = 32, episode_deadline: float = 600.0, grading_time: float = 120.0,
                  ttl_margin: float = 60.0, ttl: float | None = None, max_waiters: int | None = None,
                  health_interval: float = 5.0, labels: Mapping[str, str] | None = None,
-                 env: Mapping[str, str] | None = None, start_parallelism: int = 2) -> None:
+                 env: Mapping[str, str] | None = None, start_parallelism: int = 2,
+                 node_cap: int | None = None) -> None:
         if warm < 0 or max_live < 1 or warm > max_live:
             raise ValueError(f"need 0 <= warm <= max_live and max_live >= 1, got warm={warm} max_live={max_live}")
         floor = episode_deadline + grading_time
@@ -46,6 +50,11 @@ class SandboxPool:
         self.health_interval = health_interval
         self.labels = dict(labels or {})
         self.env = dict(env or {})
+        # max_live caps this pool; node_cap (or RL_SANDBOX_NODE_CAP) caps every pool and
+        # process on the node together
+        node_cap = node_cap if node_cap is not None else int(os.environ.get("RL_SANDBOX_NODE_CAP", "0")) or None
+        self._slots = NodeSlots(node_cap, STATE_ROOT / "node-slots" / str(node_cap)) if node_cap else None
+        self._slot_fd: dict[int, int] = {}  # id(sandbox) -> fd holding its node slot
         self._idle: collections.deque[Sandbox] = collections.deque()
         self._busy: set[Sandbox] = set()
         self._starting = 0
@@ -73,10 +82,21 @@ class SandboxPool:
                     "last_error": self._last_error, **self.stats}
 
     # -- starting ---------------------------------------------------------------
-    def _new(self) -> Sandbox:
+    def _take_slot(self) -> int | None:
+        """A node slot fd (-1 when there is no node cap), or None when the node is full."""
+        return -1 if self._slots is None else self._slots.try_take()
+
+    def _new(self, slot: int) -> Sandbox:
         from . import open_sandbox
 
-        sb = open_sandbox(self.backend, self.image, self.limits, self.labels, self.env)
+        try:
+            sb = open_sandbox(self.backend, self.image, self.limits, self.labels, self.env)
+        except BaseException:
+            if slot >= 0:
+                NodeSlots.give(slot)
+            raise
+        if slot >= 0:
+            self._slot_fd[id(sb)] = slot
         sb.add_close_callback(self._on_closed)
         return sb
 
@@ -87,10 +107,14 @@ class SandboxPool:
                     self._cv.wait(1.0)
                 if self._closed:
                     return
+                slot = self._take_slot()
+                if slot is None:  # the node is full: other processes free slots without telling us
+                    self._cv.wait(0.2)
+                    continue
                 self._starting += 1
             sb = None
             try:
-                sb = self._new()
+                sb = self._new(slot)
                 self.stats["started"] += 1
             except Exception as e:
                 self._last_error = str(e)
@@ -106,6 +130,9 @@ class SandboxPool:
                 time.sleep(1.0)  # do not spin on a broken backend
 
     def _on_closed(self, sb: Sandbox) -> None:
+        slot = self._slot_fd.pop(id(sb), None)
+        if slot is not None:
+            NodeSlots.give(slot)
         with self._cv:
             self._busy.discard(sb)
             try:
@@ -123,10 +150,10 @@ class SandboxPool:
         """
         end = None if timeout is None else time.monotonic() + timeout
         while True:
-            sb = self._take(end, timeout)
+            sb, slot = self._take(end, timeout)
             if sb is None:  # a slot is free but nothing is warm: cold start in this thread
                 try:
-                    sb = self._new()
+                    sb = self._new(slot)
                     self.stats["cold_starts"] += 1
                 finally:
                     with self._cv:
@@ -148,8 +175,8 @@ class SandboxPool:
             self.stats["acquired"] += 1
             return sb
 
-    def _take(self, end: float | None, timeout: float | None) -> Sandbox | None:
-        """Pop a warm sandbox (marked busy), or reserve a start slot (None), or raise."""
+    def _take(self, end: float | None, timeout: float | None) -> tuple[Sandbox | None, int]:
+        """Pop a warm sandbox (marked busy), or reserve a start (None, node slot fd), or raise."""
         with self._cv:
             if self._closed:
                 raise SandboxError("sandbox pool is closed")
@@ -162,15 +189,22 @@ class SandboxPool:
                     if self._idle:
                         sb = self._idle.popleft()
                         self._busy.add(sb)
-                        return sb
+                        return sb, -1
+                    node_full = False
                     if self.live < self.max_live:
-                        self._starting += 1
-                        return None
+                        slot = self._take_slot()
+                        if slot is not None:
+                            self._starting += 1
+                            return None, slot
+                        node_full = True
                     left = None if end is None else end - time.monotonic()
                     if left is not None and left <= 0:
                         self.stats["timeouts"] += 1
-                        raise PoolExhausted(f"no sandbox free within {timeout}s: {self.live}/{self.max_live} live")
-                    self._cv.wait(left if left is not None else 1.0)
+                        where = f"node cap {self._slots.n} reached" if node_full and self._slots else \
+                            f"{self.live}/{self.max_live} live"
+                        raise PoolExhausted(f"no sandbox free within {timeout}s: {where}")
+                    # poll while the node is full: slots are freed by other processes
+                    self._cv.wait(min(left if left is not None else 1.0, 0.2 if node_full else 1.0))
                     if self._closed:
                         raise SandboxError("sandbox pool is closed")
             finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -152,9 +153,13 @@ class ProcessSandbox(AgentSandbox):
         cfg = self._agent_config()
         cg = self._cg
 
+        mem_bytes = lim.memory_mb << 20
+
         def in_child() -> None:  # between fork and exec: enter the cgroup before anything can fork
             if cg is not None:
                 cg.join_self()
+            else:  # no writable cgroup here: a per-process address-space cap is the fallback
+                resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
 
         log = open(self._state / "agent.log", "wb")
         info_r = info_w = -1
@@ -199,7 +204,7 @@ class ProcessSandbox(AgentSandbox):
     def _write_meta(self) -> None:
         meta = {"id": self.id, "backend": self.backend, "owner_pid": os.getpid(), "owner_start": _start_time(os.getpid()),
                 "pid": self._proc.pid if self._proc else None, "ns_init": self._ns_init, "labels": self.labels,
-                "created": self.created, "expires": self.created + self.limits.ttl, "image": self.image}
+                "created": self.created, "image": self.image}
         _write_atomic(self._state / "meta.json", json.dumps(meta))
 
     def _alive(self) -> bool:
@@ -212,15 +217,6 @@ class ProcessSandbox(AgentSandbox):
         if self._cg and r.exit_code == 137 and self._cg.oom_kills() > before:
             r = _replace_error(r, f"killed: out of memory (limit {self.limits.memory_mb} MiB)")
         return r
-
-    def set_deadline(self, ttl: float, wait: bool = True) -> None:
-        super().set_deadline(ttl, wait)
-        try:
-            meta = json.loads((self._state / "meta.json").read_text())
-            meta["expires"] = time.time() + ttl
-            _write_atomic(self._state / "meta.json", json.dumps(meta))
-        except OSError:
-            pass
 
     def _spawn_like(self, labels: Mapping[str, str]) -> "ProcessSandbox":
         return ProcessSandbox(self.image, self.limits, labels, self._env)
@@ -320,12 +316,12 @@ def list_process_sandboxes() -> list[dict]:
 
 
 def gc_process_sandboxes(all_: bool = False) -> list[str]:
-    """Kill and remove process sandboxes whose owner died or whose TTL passed (or all)."""
+    """Kill and remove process sandboxes whose owner died (or all)."""
     removed = []
-    now = time.time()
     live_ids = set()
     for meta in list_process_sandboxes():
-        stale = all_ or not meta["owner_alive"] or meta.get("expires", now + 1) < now
+        # the agent enforces the TTL itself (and the pool moves it): only dead owners here
+        stale = all_ or not meta["owner_alive"]
         if not stale:
             live_ids.add(meta["id"])
             continue

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sandbox import PoolExhausted, SandboxDead, SandboxLimits, SandboxPool
+from sandbox import PoolExhausted, SandboxDead, SandboxPool
 from sandbox_testutil import RUN
 
 FAST = dict(episode_deadline=30.0, grading_time=10.0, health_interval=0.2, labels={"run": RUN})
@@ -149,3 +149,38 @@ def test_pool_fork_seeds_warm_sandboxes_from_a_snapshot(pool_backend: str):
         other = "docker" if pool_backend == "process" else "process"
         with pytest.raises(ValueError, match="cannot seed"):
             pool.fork(type(snap)(backend=other, image=None, archive=snap.archive))
+
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from sandbox import SandboxPool
+pool = SandboxPool("process", warm=0, max_live=4, node_cap=2, episode_deadline=30, grading_time=10,
+                   labels={{"run": {run!r}}})
+held = [pool.acquire(timeout=30) for _ in range(2)]
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_node_cap_is_shared_across_processes_and_freed_when_a_holder_dies():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(repo=repo, run=RUN)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"holding"
+        with SandboxPool("process", warm=0, max_live=4, node_cap=2, **FAST) as pool:
+            with pytest.raises(PoolExhausted, match="node cap 2 reached"):
+                pool.acquire(timeout=0.5)
+            holder.kill()  # the kernel drops its slot locks; its sandboxes die with it
+            holder.wait(10)
+            sb = pool.acquire(timeout=20)
+            assert sb.exec("echo got a slot").stdout == "got a slot\n"
+            sb.close()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
