@@ -319,6 +319,9 @@ class Sandbox(abc.ABC):
     async def aping(self) -> bool:
         return await run_blocking(self.ping)
 
+    async def ainfo(self) -> dict[str, Any]:
+        return await run_blocking(self.info)
+
     async def aset_deadline(self, ttl: float, wait: bool = True) -> None:
         await run_blocking(self.set_deadline, ttl, wait)
 

@@ -163,6 +163,9 @@ class DockerSandbox(AgentSandbox):
                 raise SandboxError(f"docker image {self.image!r} not found: build it with `rl sandbox build-image`") from None
             except docker.errors.APIError as e:
                 raise SandboxError(f"docker could not start a sandbox: {e.explanation or e}") from None
+            except Exception as e:  # connection refused, socket missing, ...
+                raise SandboxError(f"docker daemon not reachable ({type(e).__name__}); start it with "
+                                   ".ci/start-docker.sh or use backend='process'") from None
             end = time.monotonic() + START_TIMEOUT
             srv.settimeout(0.5)
             while True:

@@ -27,6 +27,16 @@ class PoolExhausted(SandboxError):
 
 
 class SandboxPool:
+    """Warm sandboxes for one backend/image/limits.
+
+    warm: idle sandboxes kept ready; max_live: cap on this pool's live sandboxes
+    (idle + in use + starting); node_cap: cap shared by all pools and processes on the
+    node; max_waiters: callers allowed to queue before acquire() fails fast;
+    episode_deadline + grading_time (+ ttl_margin, or an explicit ttl above them): the
+    lifetime each acquired sandbox gets; health_interval: seconds between health checks
+    of idle sandboxes (dead ones are replaced).
+    """
+
     def __init__(self, backend: str = "auto", image: str | None = None, limits: SandboxLimits | None = None, *,
                  warm: int = 4, max_live: int = 32, episode_deadline: float = 600.0, grading_time: float = 120.0,
                  ttl_margin: float = 60.0, ttl: float | None = None, max_waiters: int | None = None,

@@ -70,7 +70,9 @@ def test_text_config_alone_describes_the_model():
 
 def test_sharded_save_loads(tmp_path):
     m = _model()
-    m.save_pretrained(tmp_path, max_shard_bytes=20_000)
+    tok = policy.Tokenizer.train(["tiny corpus for a tiny tokenizer"] * 20, vocab_size=300)
+    m.save_pretrained(tmp_path, max_shard_bytes=20_000, tokenizer=tok)
+    assert policy.Tokenizer.load(tmp_path).encode("tiny corpus") == tok.encode("tiny corpus")
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     b = policy.from_pretrained(tmp_path)

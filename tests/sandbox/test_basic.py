@@ -158,3 +158,17 @@ def test_process_backend_runs_on_the_base_rootfs():
         assert r.stdout.split() == ["1", "42"], r
     with sandbox.open_sandbox("process", labels={"run": "pytest", "episode": "host-usr"}) as sb:
         assert sb.exec(f"test -e {probe}; echo $?").stdout.strip() == "0"
+
+
+def test_concurrent_calls_on_one_sandbox_are_serialised_safely(make_sb):
+    import concurrent.futures
+
+    sb = make_sb("threads")
+
+    def work(i: int) -> bool:
+        sb.write_file(f"t{i}", str(i) * 1000)
+        r = sb.exec(["cat", f"t{i}"])
+        return r.stdout == str(i) * 1000 and sb.read_file(f"t{i}") == (str(i) * 1000).encode()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        assert all(ex.map(work, range(24)))
