@@ -92,7 +92,7 @@ def start_env_side(cfg: RunConfig, run_id: str) -> list:
     grading = {"num_actors": cfg.grader.num_workers, "timeout_s": cfg.grader.timeout_s, "retries": cfg.grader.retries}
     return [
         ray.remote(EnvWorker).options(num_cpus=0.25, name=f"env-{run_id}-{i}", max_restarts=2)
-        .remote(env_specs, grading, run_id, cfg.sandbox_backend)
+        .remote(env_specs, grading, run_id, cfg.sandbox_backend, cfg.rollout.group_size)
         for i in range(cfg.rollout.env_workers)
     ]
 

@@ -1,5 +1,8 @@
 """Environment worker: a Ray actor that hosts live episodes (one environment instance and, when the
-environment needs one, one sandbox each) and sends finished episodes to the grader pool."""
+environment needs one, one sandbox each) and sends finished episodes to the grader pool.
+
+Environment instances are reused across episodes (building one can mean generating its dataset);
+sandboxes never are: each episode takes a fresh one from a pool that keeps some warm."""
 from __future__ import annotations
 
 import traceback
@@ -14,7 +17,7 @@ def failed_grade(error: str) -> dict[str, Any]:
 
 class EnvWorker:
     def __init__(self, env_specs: dict[str, dict[str, Any]], grading: dict[str, Any], run_name: str,
-                 sandbox_backend: str = "auto") -> None:
+                 sandbox_backend: str = "auto", warm_sandboxes: int = 8) -> None:
         import envs
         from envs.grading import GraderPool
 
@@ -23,8 +26,11 @@ class EnvWorker:
         self.grader_pool = GraderPool(**grading)
         self.run_name = run_name
         self.sandbox_backend = sandbox_backend
-        self.episodes: dict[str, Any] = {}  # episode id -> environment instance
+        self.warm_sandboxes = warm_sandboxes
+        self.episodes: dict[str, tuple[str, Any]] = {}  # episode id -> (environment name, instance)
         self.sandboxes: dict[str, Any] = {}
+        self._idle_envs: dict[str, list[Any]] = {name: [] for name in env_specs}
+        self._sandbox_pool = None  # started on the first episode that needs a sandbox
         self.errors: dict[str, str] = {}  # episode id -> why its environment failed
         self._templates = {name: envs.make(name, **kwargs) for name, kwargs in env_specs.items()}
 
@@ -35,16 +41,22 @@ class EnvWorker:
     def task_ids(self, env: str, split: str) -> list[str]:
         return list(self._templates[env].dataset(split)["task_id"])
 
+    def _sandboxes(self):
+        if self._sandbox_pool is None:
+            from sandbox import SandboxPool
+
+            self._sandbox_pool = SandboxPool(backend=self.sandbox_backend, warm=self.warm_sandboxes,
+                                             max_live=max(64, 4 * self.warm_sandboxes), labels={"run": self.run_name})
+        return self._sandbox_pool
+
     def _open(self, env_name: str, episode_id: str):
-        env = self._envs.make(env_name, **self.env_specs[env_name])
+        idle = self._idle_envs[env_name]
+        env = idle.pop() if idle else self._envs.make(env_name, **self.env_specs[env_name])
         sandbox = None
         if env.needs_sandbox:
-            from sandbox import open_sandbox
-
-            sandbox = open_sandbox(backend=self.sandbox_backend,
-                                   labels={"run": self.run_name, "episode": episode_id})
+            sandbox = self._sandboxes().acquire(labels={"episode": episode_id})
             self.sandboxes[episode_id] = sandbox
-        self.episodes[episode_id] = env
+        self.episodes[episode_id] = (env_name, env)
         return env, sandbox
 
     def reset_group(self, item: WorkItem, episode_ids: list[str]) -> dict[str, Any]:
@@ -61,7 +73,7 @@ class EnvWorker:
     def step_many(self, actions: list[tuple[str, str, bool]]) -> list[dict[str, Any]]:
         replies = []
         for eid, text, _budget_exhausted in actions:
-            env = self.episodes[eid]
+            env = self.episodes[eid][1]
             try:
                 obs, _reward, terminated, truncated, _info = env.step(text)
             except Exception as exc:  # a broken environment ends its episode, never the run
@@ -75,7 +87,7 @@ class EnvWorker:
         """Grade every episode through the grader pool and release its resources."""
         requests, grades = [], []
         for eid in episode_ids:
-            env = self.episodes[eid]
+            env = self.episodes[eid][1]
             error = self.errors.get(eid)
             if error:
                 requests.append(None)
@@ -105,20 +117,26 @@ class EnvWorker:
         return len(doomed)
 
     def _release(self, eid: str) -> None:
-        env = self.episodes.pop(eid, None)
+        """End an episode: its sandbox is destroyed, its environment instance kept for the next one."""
+        name, env = self.episodes.pop(eid, (None, None))
         sandbox = self.sandboxes.pop(eid, None)
         self.errors.pop(eid, None)
-        for closeable in (env, sandbox):
-            if closeable is None:
-                continue
+        if sandbox is not None:
             try:
-                closeable.close()
+                sandbox.close()
             except Exception:
                 traceback.print_exc()
+        if env is not None:
+            self._idle_envs[name].append(env)
 
     def close(self) -> None:
         for eid in list(self.episodes):
             self._release(eid)
+        for instances in self._idle_envs.values():
+            for env in instances:
+                env.close()
+        if self._sandbox_pool is not None:
+            self._sandbox_pool.close()
         self.grader_pool.close()
 
     def reference_episodes(self, env_name: str, task_ids: list[str], effort: str, seed: int) -> list[dict[str, Any]]:

@@ -6,7 +6,9 @@ TINY = {
     "envs": [
         {"name": "math", "weight": 1.0, "kwargs": {"max_operand": 9, "n_train": 40, "n_heldout": 8}},
         {"name": "lookup", "weight": 1.0, "kwargs": {"n_train": 40, "n_heldout": 8}},
+        {"name": "shell", "weight": 1.0, "kwargs": {"n_train": 40, "n_heldout": 8}},
     ],
+    "sandbox_backend": "process",
     "effort": {"budgets": {"low": 8, "medium": 12, "high": 16, "max": 24}},
     "rollout": {"num_workers": 2, "groups_per_step": 4, "group_size": 2, "max_context": 160},
     "train": {"steps": 3, "micro_batches": 2},
