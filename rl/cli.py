@@ -37,7 +37,7 @@ def train(
     resume: Optional[str] = typer.Option(None, "--resume", help="continue the run in this folder from its last checkpoint"),
 ) -> None:
     """Run GRPO on the environments of CONFIG; prints the held-out table at the end."""
-    from rl.trainer import train as run_train
+    from rl.trainer import RunRefused, train as run_train
 
     overrides = list(overrides or [])
     if resume and config and "=" in config:  # `rl train --resume DIR key=value`
@@ -45,7 +45,7 @@ def train(
         config = None
     try:
         result = run_train(config, overrides, resume=resume, console=console)
-    except ConfigError as exc:
+    except (ConfigError, RunRefused) as exc:
         _fail(str(exc))
     console.print(f"done: {result['run_dir']}")
 
@@ -58,10 +58,11 @@ def evaluate(
 ) -> None:
     """Held-out reward per domain and effort level for a checkpoint."""
     from rl.evaluate_cmd import evaluate_checkpoint
+    from rl.trainer import RunRefused
 
     try:
         evaluate_checkpoint(config, checkpoint, list(overrides or []), console=console)
-    except ConfigError as exc:
+    except (ConfigError, RunRefused) as exc:
         _fail(str(exc))
 
 

@@ -9,6 +9,7 @@ import ray
 from rl.cluster import start_env_side, start_policy_side, start_ray
 from rl.config import load_config
 from rl.evaluation import eval_table, summarise_eval
+from rl.trainer import RunRefused
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -17,9 +18,9 @@ def resolve_checkpoint(path: str) -> Path:
     for candidate in (root, root / "hf"):
         if (candidate / "config.json").exists():
             if not (candidate / "tokenizer").exists():
-                raise SystemExit(f"--checkpoint: {candidate} has no tokenizer/ folder")
+                raise RunRefused(f"--checkpoint: {candidate} has no tokenizer/ folder")
             return candidate
-    raise SystemExit(f"--checkpoint: no config.json in {root} or {root / 'hf'}")
+    raise RunRefused(f"--checkpoint: no config.json in {root} or {root / 'hf'}")
 
 
 def evaluate_checkpoint(config_path: str, checkpoint: str, overrides: list[str], console=None) -> dict:

@@ -6,7 +6,6 @@ import json
 import random
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,13 @@ from rl.episodes import episode_texts, reference_example
 from rl.evaluation import eval_table, summarise_eval
 from rl.metrics import MetricsLogger, rollout_metrics
 from rl.progress import StepProgress
+from rl.types import env_worker_index
 
 CHECKPOINTS = "checkpoints"
+
+
+class RunRefused(RuntimeError):
+    """The run cannot start as asked (a failing environment, a folder that is not a run); one line."""
 
 
 def new_run_dir(cfg: RunConfig) -> Path:
@@ -59,8 +63,6 @@ class Trainer:
 
     # -- set-up ----------------------------------------------------------------------------------
     def _reference_episodes(self, env_workers: list, per_env: int) -> dict[str, list[dict[str, Any]]]:
-        from rl.types import env_worker_index
-
         out = {}
         for entry in self.cfg.envs:
             worker = env_workers[env_worker_index(entry.name, len(env_workers))]
@@ -87,13 +89,13 @@ class Trainer:
         reports = {}
         for entry in self.cfg.envs:
             report = check_env(entry.name, env_kwargs(self.cfg, entry.name), max_tasks=self.cfg.gate.max_tasks)
-            reports[entry.name] = report.to_dict() if hasattr(report, "to_dict") else asdict(report)
+            reports[entry.name] = report.to_dict()
             ok = reports[entry.name]["ok"]
             reason = "; ".join(reports[entry.name].get("reasons", []))
             self.say(f"quality gate: {entry.name}: {'ok' if ok else 'FAILED ' + reason}")
             if not ok and not self.cfg.gate.allow_failing:
                 (self.run_dir / "gate.json").write_text(json.dumps(reports, indent=1))
-                raise SystemExit(f"environment {entry.name!r} failed the quality gate ({reason}); "
+                raise RunRefused(f"environment {entry.name!r} failed the quality gate ({reason}); "
                                  f"fix it or set gate.allow_failing=true")
         (self.run_dir / "gate.json").write_text(json.dumps(reports, indent=1))
 
@@ -241,11 +243,11 @@ def train(config_path: str | None, overrides: list[str], resume: str | None = No
         run_dir = Path(resume)
         saved = run_dir / "config.yaml"
         if not saved.exists():
-            raise SystemExit(f"--resume: {run_dir} has no config.yaml (is it a run folder?)")
+            raise RunRefused(f"--resume: {run_dir} has no config.yaml (is it a run folder?)")
         cfg = load_config(saved, overrides)
     else:
         if config_path is None:
-            raise SystemExit("rl train needs a CONFIG file or --resume RUN_DIR")
+            raise RunRefused("rl train needs a CONFIG file or --resume RUN_DIR")
         cfg = load_config(config_path, overrides)
         run_dir = new_run_dir(cfg)
     dump_config(cfg, run_dir / "config.yaml")
