@@ -51,6 +51,22 @@ def eval_table(before: dict[str, Any] | None, after: dict[str, Any]) -> Table:
     return table
 
 
+def effort_table(before: dict[str, Any] | None, after: dict[str, Any]) -> Table:
+    """Reward against response length per effort level (all domains): what each budget buys."""
+    table = Table(title="Reward and response tokens per effort level (all domains)")
+    for column in ("effort", "reward", "tokens"):
+        table.add_column(column, justify="right" if column != "effort" else "left")
+    levels = sorted((e for e in after.get("all", {}) if e != "all"), key=_effort_order)
+    for effort in levels:
+        new = after["all"][effort]
+        old = (before or {}).get("all", {}).get(effort)
+        if old is None:
+            table.add_row(effort, f"{new['reward']:.2f}", f"{new['tokens']:.1f}")
+        else:
+            table.add_row(effort, f"{old['reward']:.2f} -> {new['reward']:.2f}", f"{old['tokens']:.1f} -> {new['tokens']:.1f}")
+    return table
+
+
 def _effort_order(level: str) -> int:
     order = ["low", "medium", "high", "max"]
     return order.index(level) if level in order else len(order)

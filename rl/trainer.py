@@ -14,7 +14,7 @@ import ray
 from rl.cluster import RunActors, env_kwargs, model_spec, start_env_side, start_policy_side, start_ray
 from rl.config import RunConfig, dump_config, load_config
 from rl.episodes import episode_texts, reference_example
-from rl.evaluation import eval_table, summarise_eval
+from rl.evaluation import effort_table, eval_table, summarise_eval
 from rl.metrics import MetricsLogger, rollout_metrics
 from rl.progress import StepProgress
 from rl.types import env_worker_index
@@ -185,6 +185,7 @@ class Trainer:
             after = self._evaluate("after") if cfg.eval.before_and_after else None
             if after is not None and self.console is not None:
                 self.console.print(eval_table(before, after))
+                self.console.print(effort_table(before, after))
             return {"run_dir": str(self.run_dir), "before": before, "after": after, "steps": cfg.train.steps}
         finally:
             if logger is not None:
