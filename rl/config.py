@@ -95,6 +95,7 @@ class TrainConfig(Section):
     kl_coef: float = Field(default=0.0, ge=0)  # off by default; k3 with the ratio correction when on
     adv_std_norm: Literal["none", "group", "batch"] = "none"
     loss_agg: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
+    threads: int = Field(default=2, ge=1)  # torch threads in the learner (rollouts idle while it trains)
     zero_stage: int = Field(default=0, ge=0, le=2)  # ZeRO-3 partitions weights; the push reads whole ones
     filter_uniform_groups: bool = True  # groups whose rewards all agree carry no signal
 

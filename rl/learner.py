@@ -41,7 +41,7 @@ def sft_batch(examples: list[dict[str, list[int]]], pad_id: int) -> tuple[torch.
 class Learner:
     def __init__(self, model_spec: dict[str, Any], train_cfg: dict[str, Any], loss_cfg: LossConfig,
                  temperature: float, pad_id: int, seed: int) -> None:
-        torch.set_num_threads(max(1, int(os.environ.get("RL_LEARNER_THREADS", "1"))))
+        torch.set_num_threads(train_cfg["threads"])
         init_single_process_group()
         import deepspeed
         from policy import build_model

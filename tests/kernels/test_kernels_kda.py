@@ -10,15 +10,6 @@ import torch.nn.functional as F
 from kernels.kda import kda, kda_chunk, kda_gate, kda_recurrent
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes: intra-op threads only add sync cost, badly so on a shared, loaded CPU."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def make_inputs(B=2, T=70, H=2, HV=4, K=8, V=6, gate="softplus", dtype=torch.float64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731

@@ -9,15 +9,6 @@ from kernels.mx import MXTensor, dequantize_mx, quantize_mx
 FP4_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes: intra-op threads only add sync cost, badly so on a shared, loaded CPU."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def block(values: list[float], fill: float = 0.0) -> torch.Tensor:
     return torch.tensor(values + [fill] * (32 - len(values)), dtype=torch.float32)
 

@@ -8,15 +8,6 @@ import torch.nn.functional as F
 from kernels.ops import l2norm, masked_attention, rms_norm, short_conv, situ_glu, topk_to_mask
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes: intra-op threads only add sync cost, badly so on a shared, loaded CPU."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def test_rms_norm_and_l2norm():
     x = torch.randn(3, 8, dtype=torch.float64)
     w = torch.rand(8, dtype=torch.float64)

@@ -70,3 +70,9 @@ def test_invalid_yaml(tmp_path):
     path.write_text("train: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(path)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path):
+    cfg = load_config(path)
+    assert cfg.envs

@@ -14,17 +14,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-# tests/ is on sys.path (rootdir conftest) and tests/sandbox would shadow the real
-# package as a namespace package: make the repository root win.
-_REPO = str(Path(__file__).resolve().parents[2])
-if _REPO not in sys.path[:1]:
-    sys.path.insert(0, _REPO)
 _HERE = str(Path(__file__).resolve().parent)  # sandbox_testutil, also under --import-mode=importlib
 if _HERE not in sys.path:
     sys.path.append(_HERE)
-if getattr(sys.modules.get("sandbox"), "__file__", "") is None:
-    del sys.modules["sandbox"]
-
 import sandbox  # noqa: E402
 from sandbox import Sandbox  # noqa: E402
 
