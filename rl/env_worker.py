@@ -70,9 +70,10 @@ class EnvWorker:
         template = self._templates[item.env]
         return {"messages": messages, "domain": template.domain, "max_turns": template.max_turns}
 
-    def step_many(self, actions: list[tuple[str, str, bool]]) -> list[dict[str, Any]]:
+    def step_many(self, actions: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """One assistant turn per (episode id, text); the reply says whether the episode ended."""
         replies = []
-        for eid, text, _budget_exhausted in actions:
+        for eid, text in actions:
             env = self.episodes[eid][1]
             try:
                 obs, _reward, terminated, truncated, _info = env.step(text)

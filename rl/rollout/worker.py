@@ -76,11 +76,9 @@ class RolloutWorker:
                     truncated[i] = True
                 break
             results = self.engine.generate_turn(active, budget, self.stop_ids, item.temperature, item.top_p)
-            actions = []
             for i in active:
                 turns[i] += 1
-                text = self.tokenizer.decode(results[i].new_tokens)
-                actions.append((episode_ids[i], text, not results[i].stopped))
+            actions = [(episode_ids[i], self.tokenizer.decode(results[i].new_tokens)) for i in active]
             replies = ray.get(env_worker.step_many.remote(actions))
             still = []
             for i, reply in zip(active, replies):
@@ -103,7 +101,7 @@ class RolloutWorker:
                 effort=item.effort, tokens=row.tokens, loss_mask=row.loss_mask, behavior_logprobs=row.logprobs,
                 weight_version=version, reward=grade["reward"], passed=grade["passed"],
                 grade_error=grade["error"], grader_version=grade["grader_version"], num_turns=turns[i],
-                truncated=truncated[i] or bool(active and i in active),
+                truncated=truncated[i] or i in active,  # still going when max_turns ran out
                 routing=self.engine.routing_array(i, n),
             ))
         return samples
