@@ -138,8 +138,10 @@ class Learner:
             metrics["train/groups_filtered"] = float(len(set(keys)) - len(informative))
             samples, adv = [samples[i] for i in keep], adv[keep]
         if not samples:
-            metrics["train/grad_norm"] = self._complete_accumulation(0)
-            metrics["train/tokens"] = 0.0
+            # Nothing to learn from: no optimizer step (AdamW's momentum would still move the
+            # weights on a zero gradient); the version advances so every step has its own.
+            self.version += 1
+            metrics.update({"train/tokens": 0.0, "train/skipped": 1.0})
             return metrics
         batch = collate(samples, adv, self.pad_id)
         policy = _TemperatureScaled(self.engine, self.temperature)

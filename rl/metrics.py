@@ -64,15 +64,17 @@ def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str
     samples = list(samples)
     out: dict[str, float] = {}
     buckets: dict[str, list[Sample]] = defaultdict(list)
+    buckets["all"] = []  # always reported, even for a step whose groups all failed
     for s in samples:
         buckets["all"].append(s)
         buckets[f"domain/{s.domain}"].append(s)
         buckets[f"effort/{s.effort}"].append(s)
     for key, group in buckets.items():
         prefix = "rollout" if key == "all" else f"rollout/{key}"
-        out[f"{prefix}/reward"] = sum(s.reward for s in group) / len(group)
-        out[f"{prefix}/pass_rate"] = sum(s.passed for s in group) / len(group)
-        out[f"{prefix}/response_tokens"] = sum(s.response_tokens for s in group) / len(group)
+        n = max(len(group), 1)
+        out[f"{prefix}/reward"] = sum(s.reward for s in group) / n
+        out[f"{prefix}/pass_rate"] = sum(s.passed for s in group) / n
+        out[f"{prefix}/response_tokens"] = sum(s.response_tokens for s in group) / n
     out["rollout/samples"] = float(len(samples))
     out["rollout/truncated"] = sum(s.truncated for s in samples) / max(len(samples), 1)
     out["rollout/grade_errors"] = float(sum(s.grade_error is not None for s in samples))

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from rl.rollout.worker import NoWeightsError
 from rl.types import Sample, WorkItem, env_worker_index
@@ -40,7 +40,6 @@ class RolloutScheduler:
         self.inflight_per_worker = inflight_per_worker
         self.weights_ref: list = []  # [ObjectRef] of the newest weights, wrapped so Ray does not fetch it here
         self.version = -1
-        self.reissued_total = 0
 
     # -- weights ---------------------------------------------------------------------------------
     def set_weights(self, wrapped_ref: list, version: int) -> int:
@@ -97,6 +96,7 @@ class RolloutScheduler:
         load = [0] * len(self.workers)
         reissued = 0
         errors: list[str] = []
+        failed: list[str] = []  # groups whose environment kept raising: reported, not trained on
         while queue or inflight:
             while queue and min(load) < self.inflight_per_worker:
                 w = int(np.argmin(load))
@@ -123,20 +123,31 @@ class RolloutScheduler:
                 queue.append(item)
                 reissued += 1
                 continue
+            except RayTaskError as exc:  # the group itself raised (a broken task or environment)
+                self._abort_episodes(item)
+                attempts[item.uid] += 1
+                cause = getattr(exc, "cause", None) or exc
+                if attempts[item.uid] > self.max_retries:
+                    failed.append(item.uid)
+                    errors.append(f"{item.uid} ({item.env} task {item.task_id}): {type(cause).__name__}: {cause}")
+                else:
+                    queue.append(item)
+                continue
             if item.uid in results:  # cannot happen by construction; guard the no-double-count promise
                 raise RuntimeError(f"group {item.uid} completed twice")
             results[item.uid] = samples
-        self.reissued_total += reissued
-        ordered = [s for it in items for s in results[it.uid]]
-        return {"samples": ordered, "reissued": reissued, "seconds": time.monotonic() - t0, "errors": errors}
+        ordered = [s for it in items for s in results.get(it.uid, [])]
+        return {"samples": ordered, "reissued": reissued, "failed_groups": len(failed),
+                "seconds": time.monotonic() - t0, "errors": errors}
 
     def _recover_worker(self, w: int, item: WorkItem) -> None:
         """The actor restarts on its own (max_restarts); it comes back with fresh weights only."""
         worker = self.workers[w]
-        env_worker = self.env_workers[env_worker_index(item.env, len(self.env_workers))]
-        ray.get(env_worker.abort.remote(item.uid))  # its half-played episodes and sandboxes
+        self._abort_episodes(item)
         if self.weights_ref:
             worker.set_weights.remote(self.weights_ref[0], self.version)  # ordered before its next call
 
-    def stats(self) -> dict[str, int]:
-        return {"reissued_total": self.reissued_total, "workers": len(self.workers)}
+    def _abort_episodes(self, item: WorkItem) -> None:
+        """Close the half-played episodes (and sandboxes) of a group that will not finish."""
+        env_worker = self.env_workers[env_worker_index(item.env, len(self.env_workers))]
+        ray.get(env_worker.abort.remote(item.uid))

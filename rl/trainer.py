@@ -215,6 +215,10 @@ class Trainer:
                 gen_tokens = sum(s.response_tokens for s in samples)
                 metrics["rollout/tokens_per_s"] = gen_tokens / max(result["seconds"], 1e-9)
                 metrics["rollout/reissued"] = float(result["reissued"])
+                metrics["rollout/failed_groups"] = float(result["failed_groups"])
+                if result["failed_groups"]:
+                    self.say(f"step {step}: {result['failed_groups']} group(s) failed and were left out; "
+                             f"latest: {result['errors'][-1]}")
                 metrics["time/rollout_s"] = result["seconds"]
                 t1 = time.monotonic()
                 metrics.update(ray.get(self.actors.learner.train_step.remote(

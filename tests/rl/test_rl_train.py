@@ -107,3 +107,45 @@ def test_killed_rollout_worker_reissues_its_groups(tmp_path, ray_session):
         assert len(uids) == 8, f"step {step} has {len(uids)} samples"
         assert max(counts.values()) == 1, f"step {step} counted a sample twice"
         assert {u.rsplit('/', 1)[0] for u in uids} == {f"s{step}/g{g}" for g in range(4)}
+
+
+BROKEN_ENV = '''
+from envs.domains.math import MathEnv
+
+
+class ResetFailsAboveMedium(MathEnv):
+    """Resets fine at medium effort (so the warm-up works), raises at every other level."""
+
+    name = "math-reset-fails"
+
+    def reset(self, seed=None, options=None):
+        if (options or {}).get("effort") != "medium":
+            raise RuntimeError("task set-up failed")
+        return super().reset(seed=seed, options=options)
+'''
+
+
+def test_groups_whose_environment_raises_are_reported_and_left_out(tmp_path, ray_session):
+    from envs.registry import register_file, unregister
+
+    source = tmp_path / "broken_env.py"
+    source.write_text(BROKEN_ENV)
+    register_file(f"{source}:ResetFailsAboveMedium")
+    try:
+        config = write_config(
+            tmp_path, envs=[{"name": "math-reset-fails", "kwargs": {"max_operand": 9, "n_train": 40, "n_heldout": 8}}],
+            train={"steps": 2, "micro_batches": 1}, gate={"enabled": False},
+            rollout={**TINY["rollout"], "max_retries": 1},
+            eval={"tasks_per_env": 1, "efforts": ["medium"], "before_and_after": False})
+        output = run_cli("train", str(config))
+    finally:
+        unregister("math-reset-fails")
+    run_dir = only_run(tmp_path)
+    metrics = [m for m in read_metrics(run_dir) if m["step"] >= 0]
+    assert [m["step"] for m in metrics] == [0, 1]
+    failed = sum(m["rollout/failed_groups"] for m in metrics)
+    assert failed >= 1
+    assert "group(s) failed and were left out" in output and "task set-up failed" in output
+    efforts = {json.loads(line)["effort"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()}
+    assert efforts <= {"medium"}
+    assert sum(m["rollout/samples"] for m in metrics) == (8 - failed) * 2
