@@ -34,10 +34,6 @@ class EnvWorker:
         self.errors: dict[str, str] = {}  # episode id -> why its environment failed
         self._templates = {name: envs.make(name, **kwargs) for name, kwargs in env_specs.items()}
 
-    def describe(self) -> dict[str, dict[str, Any]]:
-        return {name: {"domain": env.domain, "max_turns": env.max_turns, "needs_sandbox": env.needs_sandbox}
-                for name, env in self._templates.items()}
-
     def task_ids(self, env: str, split: str) -> list[str]:
         return list(self._templates[env].dataset(split)["task_id"])
 

@@ -115,9 +115,8 @@ class Learner:
         loss_total, done = 0.0, 0
         bounds = np.linspace(0, len(ids), min(self.cfg["micro_batches"], len(ids)) + 1).astype(int)
         for a, b in zip(bounds[:-1], bounds[1:]):
-            logits = self.engine(ids[a:b]).logits
-            logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[a:b, 1:, None]).squeeze(-1)
-            loss = -(logp * mask[a:b, 1:]).sum() / total_tokens
+            logp = token_logprobs(self.engine(ids[a:b]).logits, ids[a:b])
+            loss = -(logp * mask[a:b]).sum() / total_tokens
             self._micro_backward(loss)
             loss_total += float(loss.detach())
             done += 1
