@@ -3,7 +3,7 @@
 bubblewrap when present: new user/pid/net/ipc/uts/cgroup namespaces, a read-only view
 of /usr (or of an image rootfs dir), a size-limited tmpfs work dir and /tmp, nothing
 else of the host's filesystem. Without bubblewrap: `unshare` (pid/net/ipc/uts/mount
-namespaces), tmpfs over the host's private dirs, rlimits, and an unprivileged uid.
+namespaces) and a chroot built from the same allowlist, rlimits, and an unprivileged uid.
 Either way a per-sandbox cgroup (when writable) limits memory, pids and CPU, and the
 pid namespace guarantees nothing survives close(): its init dies with the agent.
 """
@@ -56,6 +56,28 @@ def _python_for(root: Path) -> str:
     raise SandboxError(f"no python3 under {root}/usr: the process backend's agent needs one")
 
 
+def _host_view(root: Path, state: Path, network: bool) -> list[tuple[str, str, str]]:
+    """What of `root` a sandbox sees, as (kind, source, target): an allowlist, so a checkout
+    or home directory anywhere on the host stays invisible. kind is "ro" or "symlink"."""
+    view = [("ro", str(root / "usr"), "/usr")]
+    for top in ("bin", "sbin", "lib", "lib64", "lib32", "libx32"):
+        p = root / top
+        if p.is_symlink():
+            view.append(("symlink", os.readlink(p), "/" + top))
+        elif p.is_dir():
+            view.append(("ro", str(p), "/" + top))
+    # only harmless, non-secret parts of /etc; identity files are generated
+    for name in ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "ssl", "ca-certificates",
+                 "mime.types", "nsswitch.conf", "python3", "python3.11"):
+        if (root / "etc" / name).exists():
+            view.append(("ro", str(root / "etc" / name), "/etc/" + name))
+    if network and (root / "etc/resolv.conf").exists():
+        view.append(("ro", str(root / "etc/resolv.conf"), "/etc/resolv.conf"))
+    etc = _etc_files(state)
+    view += [("ro", str(etc / name), "/etc/" + name) for name in ("passwd", "group", "hosts")]
+    return view
+
+
 def _bwrap_argv(root: Path, state: Path, limits: SandboxLimits, info_fd: int) -> list[str]:
     # --as-pid-1: the agent is the namespace's init, so its exit (owner gone, close, TTL)
     # kills every process of the sandbox; bwrap's own init would wait for them instead
@@ -63,23 +85,8 @@ def _bwrap_argv(root: Path, state: Path, limits: SandboxLimits, info_fd: int) ->
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
     if limits.network:
         argv.append("--share-net")
-    argv += ["--ro-bind", str(root / "usr"), "/usr"]
-    for top in ("bin", "sbin", "lib", "lib64", "lib32", "libx32"):
-        p = root / top
-        if p.is_symlink():
-            argv += ["--symlink", os.readlink(p), "/" + top]
-        elif p.is_dir():
-            argv += ["--ro-bind", str(p), "/" + top]
-    # only harmless, non-secret parts of /etc; identity files are generated
-    for name in ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "ssl", "ca-certificates",
-                 "mime.types", "nsswitch.conf", "python3", "python3.11"):
-        if (root / "etc" / name).exists():
-            argv += ["--ro-bind", str(root / "etc" / name), "/etc/" + name]
-    if limits.network and (root / "etc/resolv.conf").exists():
-        argv += ["--ro-bind", str(root / "etc/resolv.conf"), "/etc/resolv.conf"]
-    etc = _etc_files(state)
-    for name in ("passwd", "group", "hosts"):
-        argv += ["--ro-bind", str(etc / name), "/etc/" + name]
+    for kind, src, dst in _host_view(root, state, limits.network):
+        argv += ["--symlink", src, dst] if kind == "symlink" else ["--ro-bind", src, dst]
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--size", str(limits.disk_mb << 20), "--perms", "0755", "--tmpfs", WORKDIR,
              "--size", str(limits.tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
@@ -88,26 +95,44 @@ def _bwrap_argv(root: Path, state: Path, limits: SandboxLimits, info_fd: int) ->
     return argv
 
 
-# Fallback without bubblewrap: runs as root inside fresh namespaces, hides the host's
-# private dirs under empty tmpfs, mounts the work dir and /tmp, drops to an unprivileged
-# uid with rlimits, then becomes the agent.
+# Fallback without bubblewrap: runs as root inside fresh namespaces, builds a new root on a
+# tmpfs from the same allowlist bubblewrap gets (read-only binds, a few device nodes, proc,
+# the work dir and /tmp), chroots into it, drops to an unprivileged uid with rlimits, then
+# becomes the agent.
 _UNSHARE_BOOT = r"""
-import os, resource, subprocess, sys
-disk, tmp, mem, nproc, uid, py = sys.argv[1:7]
+import json, os, resource, subprocess, sys
+spec = json.loads(sys.argv[1])
 def mount(*a): subprocess.run(["mount", *a], check=True)
+def bind_ro(src, dst):
+    if os.path.isdir(src): os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True); open(dst, "a").close()
+    mount("--rbind", src, dst); mount("-o", "remount,bind,ro", dst)
+new = spec["root"]
 mount("--make-rprivate", "/")
-for d in ("/root", "/home", "/srv", "/mnt", "/media", "/opt", "/var", "/run", "/work", "/dev/shm", "/dev/mqueue"):
-    if os.path.isdir(d): mount("-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", d)
-os.makedirs("/work", exist_ok=True)
-mount("-t", "tmpfs", "-o", "size=%s,mode=0755,uid=%s,gid=%s" % (disk, uid, uid), "tmpfs", "/work")
-mount("-t", "tmpfs", "-o", "size=%s,mode=1777" % tmp, "tmpfs", "/tmp")
-resource.setrlimit(resource.RLIMIT_AS, (int(mem), int(mem)))
-if int(nproc) > 0:  # only without a pids cgroup: NPROC counts the uid's processes host-wide
-    resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
-os.setgroups([]); os.setgid(int(uid)); os.setuid(int(uid))
+mount("-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", new)
+for kind, src, dst in spec["view"]:
+    if kind == "symlink": os.symlink(src, new + dst)
+    else: bind_ro(src, new + dst)
+for dev in ("null", "zero", "full", "random", "urandom", "tty"):
+    os.makedirs(new + "/dev", exist_ok=True); open(new + "/dev/" + dev, "a").close()
+    mount("--bind", "/dev/" + dev, new + "/dev/" + dev)
+for d, size, mode, owner in (("/dev/shm", spec["tmp"], "1777", 0), ("/tmp", spec["tmp"], "1777", 0),
+                             (spec["workdir"], spec["disk"], "0755", spec["uid"])):
+    os.makedirs(new + d, exist_ok=True)
+    mount("-t", "tmpfs", "-o", "size=%d,mode=%s,uid=%d,gid=%d" % (size, mode, owner, owner), "tmpfs", new + d)
+os.makedirs(new + "/proc", exist_ok=True)
+mount("-t", "proc", "proc", new + "/proc")
+mount("-o", "remount,ro", new)
+os.chroot(new); os.chdir(spec["workdir"])
+resource.setrlimit(resource.RLIMIT_AS, (spec["mem"], spec["mem"]))
+if spec["nproc"] > 0:  # only without a pids cgroup: NPROC counts the uid's processes host-wide
+    resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
+uid = spec["uid"]
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
 child = os.fork()
 if child == 0:
-    os.execv(py, [py, "-I", "-S", "-c", sys.argv[7], sys.argv[8]])
+    os.execv(spec["python"], [spec["python"], "-I", "-S", "-c", sys.argv[2], sys.argv[3]])
 # we are pid 1 of the namespace: reap orphans until the agent exits, then leave (the
 # kernel kills whatever is left in the namespace when its init exits)
 os.closerange(0, 3)
@@ -170,13 +195,14 @@ class ProcessSandbox(AgentSandbox):
                 argv = _bwrap_argv(self._root, self._state, lim, info_w) + [py, "-I", "-S", "/.rl/agent.py", cfg]
                 pass_fds: Sequence[int] = (info_w,)
             else:
-                if self._root != Path("/"):
-                    raise SandboxError("process backend images need bubblewrap (not installed)")
                 unshare = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
                 if not lim.network:
                     unshare.append("--net")
-                argv = unshare + [py, "-I", "-S", "-c", _UNSHARE_BOOT, str(lim.disk_mb << 20), str(lim.tmp_mb << 20),
-                                  str(lim.memory_mb << 20), str(0 if self._cg else lim.pids), str(SANDBOX_UID), py, AGENT_SOURCE, cfg]
+                (self._state / "root").mkdir()
+                spec = {"root": str(self._state / "root"), "view": _host_view(self._root, self._state, lim.network),
+                        "workdir": WORKDIR, "disk": lim.disk_mb << 20, "tmp": lim.tmp_mb << 20, "mem": mem_bytes,
+                        "nproc": 0 if self._cg else lim.pids, "uid": SANDBOX_UID, "python": py}
+                argv = unshare + [py, "-I", "-S", "-c", _UNSHARE_BOOT, json.dumps(spec), AGENT_SOURCE, cfg]
                 pass_fds = ()
             self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                           pass_fds=pass_fds, preexec_fn=in_child, close_fds=True)

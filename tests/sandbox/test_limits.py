@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -155,10 +156,20 @@ def test_host_files_and_env_are_not_readable(make_sb, tmp_path: Path, monkeypatc
     secret = tmp_path / "answer.txt"
     secret.write_text("the grader's answer")
     repo_file = Path(__file__).resolve()
-    sb = make_sb("peek")
-    for path in (str(secret), str(repo_file), "/etc/shadow", "/root/.bash_history"):
-        r = sb.exec(["cat", path])
-        assert r.exit_code != 0 and "answer" not in r.stdout, (path, r)
+    paths = [str(secret), str(repo_file), "/etc/shadow", "/root/.bash_history"]
+    # a top-level dir no denylist would know about (where a CI checkout may live)
+    odd_dir = Path(f"/rl-peek-{uuid.uuid4().hex[:8]}")
+    if os.geteuid() == 0:
+        odd_dir.mkdir()
+        (odd_dir / "answer.txt").write_text("the answer")
+        paths.append(str(odd_dir / "answer.txt"))
+    try:
+        sb = make_sb("peek")
+        for path in paths:
+            r = sb.exec(["cat", path])
+            assert r.exit_code != 0 and "answer" not in r.stdout, (path, r)
+    finally:
+        shutil.rmtree(odd_dir, ignore_errors=True)
     with pytest.raises(OSError):
         sb.read_file(str(secret))
     env = sb.exec("env").stdout
