@@ -18,15 +18,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.attention import attention
 from kernels.ops import topk_to_mask
 
 from ..cache import MLACache
 from ..config import ModelConfig
-from ._ops import masked_attention
 from .norms import RMSNorm
 
 _LATENT_EPS = 1e-6
 _INDEX_HEAD_CHUNK = 8
+_QK_STAT_CHUNK = 1024
 
 
 class LightningIndexer(nn.Module):
@@ -156,25 +157,32 @@ class MLAMixer(nn.Module):
         if absorb:
             o = self._attend_absorbed(q, full, top)
         else:
-            o = masked_attention(q, k, v, scale=self.scale, causal=True, key_mask=full.valid,
-                                 topk_indices=top, sink=self.sinks)  # [B, T, H, vd]
+            o = attention(q, k, v, scale=self.scale, causal=True, key_mask=full.valid,
+                          topk_indices=top, sink=self.sinks)  # [B, T, H, vd]
         if self.output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float()).reshape(B, T, self.H, self.vd).to(o.dtype)
         y = self.o_proj(o.reshape(B, T, self.H * self.vd))
 
+        if self.training:
+            self._track_qk_max(q, k, visible)
         loss = None
-        need_probs = indexer_loss and idx_scores is not None
-        if self.training or need_probs:
-            # logits again, for the statistics only (masked_attention does not expose them)
-            logits = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * self.scale
-            logits = logits.masked_fill(~visible[:, None], float("-inf"))
-            if self.training:
-                with torch.no_grad():  # QK-Clip statistic: the largest scaled logit per head
-                    self.qk_max.copy_(torch.maximum(self.qk_max, logits.detach().amax(dim=(0, 2, 3))))
-            if need_probs:
-                p = torch.softmax(logits.detach(), dim=-1).sum(1)  # heads summed; L1-normalised in the KL
-                loss = _kl_to_indexer(p, idx_scores, visible)
+        if indexer_loss and idx_scores is not None:
+            logits = torch.einsum("bthd,bshd->bhts", q.detach().float(), k.detach().float()) * self.scale
+            p = torch.softmax(logits.masked_fill(~visible[:, None], float("-inf")), dim=-1).sum(1)
+            loss = _kl_to_indexer(p, idx_scores, visible)  # heads summed; L1-normalised in the KL
         return y, (full if use_cache else None), loss
+
+    @torch.no_grad()
+    def _track_qk_max(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> None:
+        """QK-Clip statistic: the largest scaled logit per head, a block of queries at a time
+        (the fused attention does not expose its logits; a full [B, H, T, S] fp32 copy would cost
+        more memory than the attention itself)."""
+        T = q.shape[1]
+        for t0 in range(0, T, _QK_STAT_CHUNK):
+            qb = q[:, t0:t0 + _QK_STAT_CHUNK]
+            logits = torch.einsum("bthd,bshd->bhts", qb, k).float() * self.scale
+            logits = logits.masked_fill(~visible[:, None, t0:t0 + _QK_STAT_CHUNK], float("-inf"))
+            self.qk_max.copy_(torch.maximum(self.qk_max, logits.amax(dim=(0, 2, 3))))
 
     def _attend_absorbed(self, q: torch.Tensor, full: MLACache, top: torch.Tensor | None) -> torch.Tensor:
         """Attention with W_UK folded into the query and W_UV applied after: one shared latent
@@ -184,8 +192,8 @@ class MLAMixer(nn.Module):
         q_lat = torch.einsum("bthn,hnl->bthl", q[..., :self.nope], w_uk)
         q_abs = torch.cat([q_lat, q[..., self.nope:]], -1)  # [B, T, H, L + R]
         k_abs = torch.cat([full.latent, full.k_rope], -1).unsqueeze(2)  # [B, S, 1, L + R]
-        ctx = masked_attention(q_abs, k_abs, full.latent.unsqueeze(2), scale=self.scale, causal=True,
-                               key_mask=full.valid, topk_indices=top, sink=self.sinks)  # [B, T, H, L]
+        ctx = attention(q_abs, k_abs, full.latent.unsqueeze(2), scale=self.scale, causal=True,
+                        key_mask=full.valid, topk_indices=top, sink=self.sinks)  # [B, T, H, L]
         return torch.einsum("bthl,hvl->bthv", ctx, w_uv)
 
     # ---- QK-Clip ---------------------------------------------------------------------------

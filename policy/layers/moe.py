@@ -20,6 +20,7 @@ Balancing without an auxiliary loss (after each optimizer step, no gradient):
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -29,6 +30,8 @@ from ._ops import glu
 from .norms import RMSNorm
 
 _QUANTILE_EMA = 0.5
+# KIMI_MOE_GROUPED_MM=0 turns the grouped GEMM off (benchmarks time the per-expert loop with it)
+_GROUPED_MM = os.environ.get("KIMI_MOE_GROUPED_MM", "1") != "0"
 
 
 class GatedMLP(nn.Module):
@@ -63,9 +66,39 @@ class StackedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))  # up
         self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
-    def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
-        h = glu(z @ self.w1[e].t(), z @ self.w3[e].t(), *self.act)
-        return h @ self.w2[e].t()
+    def forward(self, z: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """z: [N, dim]; w, idx: [N, k] routing weights and experts. Returns sum_e w_e Expert_e(z),
+        [N, dim] float32. Token-expert pairs are sorted by expert so each expert sees one
+        contiguous slice: one grouped GEMM per projection on CUDA, one GEMM per used expert
+        elsewhere."""
+        n_tok, k = idx.shape
+        flat_e = idx.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)
+        tok = order // k
+        counts = torch.bincount(flat_e, minlength=self.w1.shape[0])
+        zs = z[tok]
+        if _grouped_mm_usable(zs, self.w1):
+            offs = counts.cumsum(0).to(torch.int32)
+            gate = torch._grouped_mm(zs, self.w1.transpose(-2, -1), offs=offs)
+            up = torch._grouped_mm(zs, self.w3.transpose(-2, -1), offs=offs)
+            out = torch._grouped_mm(glu(gate, up, *self.act), self.w2.transpose(-2, -1), offs=offs)
+        else:
+            parts, start = [], 0
+            for e, c in enumerate(counts.tolist()):
+                if c:
+                    ze = zs[start:start + c]
+                    h = glu(ze @ self.w1[e].t(), ze @ self.w3[e].t(), *self.act)
+                    parts.append(h @ self.w2[e].t())
+                start += c
+            out = torch.cat(parts) if parts else zs.new_zeros(0, self.w2.shape[1])
+        weighted = out.float() * w.reshape(-1)[order, None]
+        return torch.zeros(n_tok, out.shape[-1], device=z.device, dtype=torch.float32).index_add_(0, tok, weighted)
+
+
+def _grouped_mm_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm: CUDA (sm90+), bf16, dims a multiple of 16 (its alignment rule)."""
+    return (_GROUPED_MM and a.is_cuda and a.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(a.device)[0] >= 9 and all(d % 16 == 0 for d in w.shape[1:]))
 
 
 class LatentMoE(nn.Module):
@@ -141,11 +174,7 @@ class LatentMoE(nn.Module):
             r = routing.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
         w, idx = self.route(flat, r)
         z = self.routed_expert_down_proj(flat) if self.latent is not None else flat
-        y = torch.zeros(flat.shape[0], z.shape[-1], device=x.device, dtype=torch.float32)
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.where(idx == e)
-            out = self.experts.expert(e, z[tok])
-            y.index_add_(0, tok, out.float() * w[tok, slot, None])
+        y = self.experts(z, w, idx)
         y = y.to(x.dtype)
         if self.latent is not None:
             if self.routed_expert_norm is not None:

@@ -165,3 +165,33 @@ def test_repeated_scatter_does_not_grow_the_key_axis(model):
         ref = torch.cat([model(torch.cat([prompt, extra[i:i + 1], nxt[i:i + 1]], 1)).logits[:, -1]
                          for i in range(3)])
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_fused_attention_path_matches_reference_in_decode_and_training(model):
+    """The SDPA path the GPU takes (forced here on CPU) gives the reference's logits and gradients,
+    for a prefill-and-decode with a padded batch and a training forward with DSA top-k."""
+    from kernels.attention import attention_backend
+
+    x = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        ref = model(x).logits
+        with attention_backend("sdpa"):
+            fused = model(x).logits
+            c = model(x[:, :7], use_cache=True).cache
+            step = model(x[:, 7:9], cache=c).logits
+    torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(step, ref[:, 7:9], atol=1e-5, rtol=1e-4)
+    grads = []
+    model.train()
+    try:
+        for backend in ("torch", "sdpa"):
+            model.zero_grad(set_to_none=True)
+            with attention_backend(backend):
+                model(x).logits.logsumexp(-1).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-4, rtol=1e-3, msg=n)

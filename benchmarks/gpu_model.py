@@ -1,0 +1,206 @@
+"""GPU benchmark (one H200): the `small` preset's training step (forward + backward), fast paths
+against the reference paths in one run, with model FLOP utilisation and a kernel-time profile.
+
+    python benchmarks/gpu_model.py --seq 8192 --batch 1 4 [--json $OUT/gpu_model.json] [--compile]
+
+Configurations, each timed on the same weights and tokens:
+  fast       fla chunk_kda, SDPA attention (flash / memory-efficient), grouped-GEMM MoE
+  reference  torch KDA, fp32 reference attention, per-expert MoE loop (the CPU paths)
+plus, before timing, GPU agreement checks of each fast path against its reference (bf16).
+MFU = 6 * active parameters * tokens/s / 989 TFLOP/s (H200 dense bf16); attention and KDA FLOPs
+are not counted, so it understates the work done. fla pays Triton autotuning (minutes) on the
+first step of a new shape: keep TRITON_CACHE_DIR between calls.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from contextlib import ExitStack
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+H200_BF16_PEAK = 989e12
+RESULTS: dict[str, Any] = {}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def cuda_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def paths(name: str) -> ExitStack:
+    """Enter the kernel choices of one configuration."""
+    from kernels.attention import attention_backend
+    from kernels.kda import kda_backend
+    from policy.layers import moe
+
+    stack = ExitStack()
+    fast = name == "fast"
+    stack.enter_context(kda_backend("auto" if fast else "torch"))
+    stack.enter_context(attention_backend("auto" if fast else "torch"))
+    prev = moe._GROUPED_MM
+    moe._GROUPED_MM = fast
+    stack.callback(lambda: setattr(moe, "_GROUPED_MM", prev))
+    return stack
+
+
+def check_fast_paths() -> None:
+    """bf16 agreement of each fast path with its reference, forward and gradients."""
+    from kernels.attention import attention
+    from policy import get_config
+    from policy.layers import moe
+
+    torch.manual_seed(0)
+    out: dict[str, Any] = {}
+    # attention: plain causal (flash, padded head dims) and DSA-style top-k mask (memory-efficient)
+    B, T, H, Dk, Dv = 1, 2048, 4, 96, 128
+    q, k, v = (torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16) for d in (Dk, Dk, Dv))
+    top = torch.sort(torch.rand(B, T, T, device="cuda"), -1).indices[..., :512]
+    for label, kw in (("causal", {}), ("topk", {"topk_indices": top})):
+        res = []
+        for backend in ("torch", "sdpa"):
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            o = attention(*leaves, scale=Dk ** -0.5, key_mask=torch.ones(B, T, dtype=torch.bool, device="cuda"),
+                          backend=backend, **kw)
+            o.float().pow(2).sum().backward()
+            res.append([o.detach()] + [t.grad for t in leaves])
+        out[f"attention_{label}"] = {n: round(rel_err(a, b), 5) for n, a, b in zip(("o", "dq", "dk", "dv"), res[1], res[0])}
+    # MoE experts: grouped GEMM vs the per-expert loop
+    cfg = get_config("small")
+    ex = moe.StackedExperts(cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg)
+    ex = ex.cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.normal_(0, 0.05)
+    z = torch.randn(4096, cfg.routed_expert_hidden_size, device="cuda", dtype=torch.bfloat16)
+    idx = torch.rand(4096, cfg.num_experts, device="cuda").topk(cfg.num_experts_per_token, -1).indices
+    w = torch.rand(4096, cfg.num_experts_per_token, device="cuda")
+    res = []
+    for grouped in (False, True):
+        moe._GROUPED_MM = grouped
+        ex.zero_grad(set_to_none=True)
+        zz = z.clone().requires_grad_(True)
+        y = ex(zz, w, idx)
+        y.pow(2).sum().backward()
+        res.append([y.detach(), zz.grad, ex.w1.grad, ex.w2.grad])
+    moe._GROUPED_MM = True
+    out["moe_grouped"] = {n: round(rel_err(a, b), 5) for n, a, b in zip(("y", "dz", "dw1", "dw2"), res[1], res[0])}
+    RESULTS["checks"] = out
+    log(f"fast-path agreement (relative error vs reference, bf16): {json.dumps(out)}")
+
+
+def model_step(seq: int, batch: int, configs: list[str], warmup: int, iters: int, compile_model: bool,
+               profile: bool) -> None:
+    from policy import build_model
+    from policy.params import count_parameters
+
+    torch.manual_seed(0)
+    model = build_model("small", device="cuda", dtype=torch.bfloat16)
+    counts = count_parameters(model)
+    ids = torch.randint(3, model.config.vocab_size, (batch, seq + 1), device="cuda")
+    x, y = ids[:, :-1], ids[:, 1:]
+    run = torch.compile(model) if compile_model else model
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        logits = run(x).logits
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).backward()
+
+    tokens = batch * seq
+    res: dict[str, Any] = {"params": counts, "batch": batch, "seq": seq, "compile": compile_model}
+    for name in configs:
+        with paths(name):
+            log(f"B={batch} T={seq} [{name}]: warm-up")
+            torch.cuda.reset_peak_memory_stats()
+            ms = cuda_ms(step, warmup, iters if name == "fast" else max(2, iters // 3))
+            tps = tokens / (ms / 1e3)
+            mfu = 6 * counts["active"] * tps / H200_BF16_PEAK
+            res[name] = {"fwd_bwd_ms": round(ms, 2), "tokens_per_s": round(tps), "mfu_6N_pct": round(100 * mfu, 2),
+                         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
+            log(f"B={batch} T={seq} [{name}]: {ms:.1f} ms/step, {tps:,.0f} tok/s, MFU(6N) {100 * mfu:.2f}%, "
+                f"peak {res[name]['peak_mem_gib']} GiB")
+            if profile and name == "fast":
+                res["profile_top"] = kernel_profile(step)
+    if "fast" in res and "reference" in res:
+        res["speedup_fast_vs_reference"] = round(res["reference"]["fwd_bwd_ms"] / res["fast"]["fwd_bwd_ms"], 2)
+    RESULTS[f"small_B{batch}_T{seq}"] = res
+
+
+def kernel_profile(step: Callable[[], None], top: int = 25) -> list[dict[str, Any]]:
+    """GPU time per kernel over one step, largest first (where the remaining time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = []
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events) or 1.0
+    for e in events[:top]:
+        rows.append({"kernel": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2),
+                     "pct": round(100 * e.device_time_total / total, 1)})
+    log(f"kernel time over one step: {total / 1e3:.1f} ms in all")
+    for r in rows:
+        log(f"  {r['pct']:5.1f}%  {r['ms']:8.2f} ms  x{r['calls']:<5} {r['kernel']}")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--configs", nargs="+", default=["fast", "reference"], choices=["fast", "reference"])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (fast configuration)")
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    import triton
+
+    from kernels.kda import fla_available
+
+    RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                      "fla": fla_available()}
+    log(f"env {RESULTS['env']}")
+
+    def save() -> None:
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(RESULTS, f, indent=1)
+
+    if not a.no_checks:
+        check_fast_paths()
+        save()
+    for i, b in enumerate(a.batch):
+        model_step(a.seq, b, a.configs, a.warmup, a.iters, a.compile, profile=not a.no_profile and i == 0)
+        torch.cuda.empty_cache()
+        save()
+
+
+if __name__ == "__main__":
+    main()
