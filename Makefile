@@ -7,6 +7,8 @@ TORCH   := torch==2.13.0
 export PIP_CACHE_DIR        := $(CURDIR)/.cache/pip
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export HF_HOME              := $(CURDIR)/.cache/huggingface
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/torchinductor
+export TRITON_CACHE_DIR     := $(CURDIR)/.cache/triton
 export WANDB_DIR            := $(CURDIR)/.cache/wandb
 export TOKENIZERS_PARALLELISM := false
 

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .fusion import fused_on_cuda
+
 __all__ = ["kda_chunk", "kda_recurrent", "kda", "kda_gate", "fla_available", "set_kda_backend", "kda_backend"]
 
 Tensor = torch.Tensor
@@ -341,6 +343,7 @@ def kda(
 
 
 # ----------------------------------------------------------------------------- gate
+@fused_on_cuda
 def kda_gate(
     f: Tensor, A_log: Tensor, dt_bias: Tensor | None, lower_bound: float | None = None
 ) -> Tensor:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm", "l2norm", "situ_glu", "short_conv", "masked_attention", "topk_to_mask"]
+from .fusion import fused_on_cuda
+
+__all__ = ["rms_norm", "gated_rms_norm", "l2norm", "situ_glu", "short_conv", "masked_attention", "topk_to_mask"]
 
 Tensor = torch.Tensor
 
@@ -18,6 +20,7 @@ def _up(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+@fused_on_cuda
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """x * rsqrt(mean(x^2, -1) + eps) * weight, over the last dim."""
     if weight is not None and weight.shape != x.shape[-1:]:
@@ -29,12 +32,21 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
     return y.to(x.dtype)
 
 
+@fused_on_cuda
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """rms_norm(x) * weight * sigmoid(gate) over the last dim (the KDA output norm), in fp32."""
+    y = _up(x) * torch.rsqrt(_up(x).pow(2).mean(-1, keepdim=True) + eps) * _up(weight) * torch.sigmoid(_up(gate))
+    return y.to(x.dtype)
+
+
+@fused_on_cuda
 def l2norm(x: Tensor, dim: int = -1, eps: float = 1e-6) -> Tensor:
     """x * rsqrt(sum(x^2) + eps): eps inside the root (as fla does), not max(norm, eps)."""
     xf = _up(x)
     return (xf * torch.rsqrt(xf.pow(2).sum(dim, keepdim=True) + eps)).to(x.dtype)
 
 
+@fused_on_cuda
 def situ_glu(gate: Tensor, up: Tensor, gate_cap: float = 4.0, up_cap: float = 25.0) -> Tensor:
     """SiTU-GLU: gate_cap*tanh(g/gate_cap)*sigmoid(g) * up_cap*tanh(u/up_cap), in fp32.
 

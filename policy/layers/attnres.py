@@ -10,9 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.fusion import fused_on_cuda
+
 from ._ops import rms_norm
 
 
+@fused_on_cuda
 def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """sources: N tensors [B, T, d]; norm_weight: [d]; query: [1, d] or [d]. Returns [B, T, d]."""

@@ -46,15 +46,16 @@ class LightningIndexer(nn.Module):
 
     def scores(self, x: torch.Tensor, q_in: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq_b(q_in).reshape(B, T, self.n_heads, self.head_dim).float()
-        w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
-        kt = keys.float().transpose(1, 2)  # [B, d_I, S]
+        # in the model's dtype (bf16 on GPU: tensor cores; DeepSeek-V3.2 runs its indexer in FP8)
+        q = self.wq_b(q_in).reshape(B, T, self.n_heads, self.head_dim)
+        w = (self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)).to(q.dtype)
+        kt = keys.to(q.dtype).transpose(1, 2)  # [B, d_I, S]
         out = None
         # a few heads at a time: never hold [B, T, H_I, S] (17 GB for K3.1's 64 heads at 8K)
         for h0 in range(0, self.n_heads, _INDEX_HEAD_CHUNK):
             h1 = min(h0 + _INDEX_HEAD_CHUNK, self.n_heads)
             dots = torch.relu(torch.einsum("bthd,bds->bths", q[:, :, h0:h1], kt))
-            part = torch.einsum("bth,bths->bts", w[:, :, h0:h1], dots)
+            part = torch.einsum("bth,bths->bts", w[:, :, h0:h1], dots).float()
             out = part if out is None else out + part
         return out  # [B, T, S]
 

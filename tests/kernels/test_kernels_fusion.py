@@ -1,0 +1,50 @@
+"""The fused (torch.compile'd) versions CUDA runs: traceable as one graph and equal to the reference.
+
+Compiled here for CPU (same graph capture, Inductor's C++ backend) so CI, without a GPU, catches
+an op that stops being compilable."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fusion import fused_on_cuda, set_fusion
+from kernels.kda import kda_gate
+from kernels.ops import gated_rms_norm, l2norm, rms_norm, situ_glu
+from policy.layers.attnres import attn_res_mix
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    x, gate = torch.randn(2, 5, 4, 8, generator=g), torch.randn(2, 5, 4, 8, generator=g)
+    w = torch.randn(8, generator=g)
+    return [
+        (rms_norm, (x, w, 1e-6)), (l2norm, (x,)), (situ_glu, (x, gate, 4.0, 25.0)),
+        (gated_rms_norm, (x, gate, w, 1e-6)),
+        (kda_gate, (x, torch.randn(4, generator=g), torch.randn(32, generator=g), -5.0)),
+        (kda_gate, (x, torch.randn(4, generator=g), torch.randn(32, generator=g), None)),
+        (attn_res_mix, ([x.reshape(2, 5, 32), gate.reshape(2, 5, 32)], torch.randn(32, generator=g),
+                        torch.randn(1, 32, generator=g), 1e-6)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_compiled_op_equals_reference(case: int):
+    fn, args = _cases()[case]
+    compiled = torch.compile(fn.__wrapped__, dynamic=True, fullgraph=True)
+    torch.testing.assert_close(compiled(*args), fn(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_keeps_cpu_on_the_reference_and_can_be_switched_off():
+    calls = []
+
+    @fused_on_cuda
+    def double(t: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.compiler.is_compiling())
+        return 2 * t
+
+    assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0)) and calls == [False]
+    prev = set_fusion(False)
+    try:
+        assert set_fusion(False) is False
+    finally:
+        set_fusion(prev)
