@@ -114,6 +114,17 @@ def check_fast_paths() -> None:
         res.append([y.detach(), zz.grad, ex.w1.grad, ex.w2.grad])
     moe._GROUPED_MM = True
     out["moe_grouped"] = {n: round(rel_err(a, b), 5) for n, a, b in zip(("y", "dz", "dw1", "dw2"), res[1], res[0])}
+    # the whole model: logits of the fast configuration against the reference paths
+    from policy import build_model
+
+    model = build_model("small", device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(3, model.config.vocab_size, (1, 2048), device="cuda")
+    logits = {}
+    for name in ("reference", "fast"):
+        with paths(name), torch.no_grad():
+            logits[name] = model(ids).logits
+    out["model_logits"] = round(rel_err(logits["fast"], logits["reference"]), 5)
+    del model
     RESULTS["checks"] = out
     log(f"fast-path agreement (relative error vs reference, bf16): {json.dumps(out)}")
 
