@@ -54,21 +54,23 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def paths(name: str) -> ExitStack:
-    """Enter the kernel choices of one configuration."""
+    """Enter the kernel choices of one configuration: "fast", "unfused", "reference", or one
+    fast path alone on top of the reference ("kda", "attention", "moe", "fusion")."""
     from kernels.attention import attention_backend
+    from kernels.fusion import set_fusion
     from kernels.kda import kda_backend
     from policy.layers import moe
 
-    from kernels.fusion import set_fusion
-
     stack = ExitStack()
     fast = name in ("fast", "unfused")
-    prev_fusion = set_fusion(name == "fast")
+    on = {part: fast or name == part for part in ("kda", "attention", "moe", "fusion")}
+    on["fusion"] = name in ("fast", "fusion")
+    prev_fusion = set_fusion(on["fusion"])
     stack.callback(lambda: set_fusion(prev_fusion))
-    stack.enter_context(kda_backend("auto" if fast else "torch"))
-    stack.enter_context(attention_backend("auto" if fast else "torch"))
+    stack.enter_context(kda_backend("auto" if on["kda"] else "torch"))
+    stack.enter_context(attention_backend("auto" if on["attention"] else "torch"))
     prev = moe._GROUPED_MM
-    moe._GROUPED_MM = fast
+    moe._GROUPED_MM = on["moe"]
     stack.callback(lambda: setattr(moe, "_GROUPED_MM", prev))
     return stack
 
@@ -114,16 +116,24 @@ def check_fast_paths() -> None:
         res.append([y.detach(), zz.grad, ex.w1.grad, ex.w2.grad])
     moe._GROUPED_MM = True
     out["moe_grouped"] = {n: round(rel_err(a, b), 5) for n, a, b in zip(("y", "dz", "dw1", "dw2"), res[1], res[0])}
-    # the whole model: logits of the fast configuration against the reference paths
+    # the whole model, bf16: each fast path alone and all together against the reference paths, with
+    # the reference's expert choices replayed (a near-tie in a router flips an expert and would
+    # swamp the comparison); the fp32 model on the reference paths is the yardstick for bf16 noise
     from policy import build_model
 
     model = build_model("small", device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(3, model.config.vocab_size, (1, 2048), device="cuda")
-    logits = {}
-    for name in ("reference", "fast"):
+    with paths("reference"), torch.no_grad():
+        ref = model(ids, return_routing=True)
+        ref32 = build_model("small", device="cuda", dtype=torch.float32)
+        ref32.load_state_dict(model.state_dict())
+        exact = ref32(ids, routing=ref.routing).logits
+        del ref32
+    errs = {"bf16_reference_vs_fp32": round(rel_err(ref.logits, exact), 5)}
+    for name in ("kda", "attention", "moe", "fusion", "fast"):
         with paths(name), torch.no_grad():
-            logits[name] = model(ids).logits
-    out["model_logits"] = round(rel_err(logits["fast"], logits["reference"]), 5)
+            errs[name] = round(rel_err(model(ids, routing=ref.routing).logits, ref.logits), 5)
+    out["model_logits_vs_reference"] = errs
     del model
     RESULTS["checks"] = out
     log(f"fast-path agreement (relative error vs reference, bf16): {json.dumps(out)}")

@@ -15,17 +15,21 @@ from kernels.fusion import fused_on_cuda
 from ._ops import rms_norm
 
 
-@fused_on_cuda
 def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """sources: N tensors [B, T, d]; norm_weight: [d]; query: [1, d] or [d]. Returns [B, T, d]."""
     if not sources:
         raise ValueError("attn_res_mix: need at least one source")
-    v = torch.stack([s.float() for s in sources], dim=0)  # [N, B, T, d]
-    keys = rms_norm(v, norm_weight, eps)
+    return _mix_stacked(torch.stack(sources, dim=0), norm_weight, query, eps)
+
+
+@fused_on_cuda  # one compiled kernel for any number of sources (N is a dynamic size)
+def _mix_stacked(v: torch.Tensor, norm_weight: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
+    vf = v.float()  # [N, B, T, d]
+    keys = rms_norm(vf, norm_weight, eps)
     logits = keys @ query.float().reshape(-1)  # [N, B, T]
     w = torch.softmax(logits, dim=0)
-    return (w.unsqueeze(-1) * v).sum(0).to(sources[-1].dtype)
+    return (w.unsqueeze(-1) * vf).sum(0).to(v.dtype)
 
 
 class AttnRes(nn.Module):

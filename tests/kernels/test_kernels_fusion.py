@@ -10,7 +10,7 @@ import torch
 from kernels.fusion import fused_on_cuda, set_fusion
 from kernels.kda import kda_gate
 from kernels.ops import gated_rms_norm, l2norm, rms_norm, situ_glu
-from policy.layers.attnres import attn_res_mix
+from policy.layers.attnres import _mix_stacked as attn_res_mix_stacked
 
 
 def _cases():
@@ -22,7 +22,7 @@ def _cases():
         (gated_rms_norm, (x, gate, w, 1e-6)),
         (kda_gate, (x, torch.randn(4, generator=g), torch.randn(32, generator=g), -5.0)),
         (kda_gate, (x, torch.randn(4, generator=g), torch.randn(32, generator=g), None)),
-        (attn_res_mix, ([x.reshape(2, 5, 32), gate.reshape(2, 5, 32)], torch.randn(32, generator=g),
+        (attn_res_mix_stacked, (torch.stack([x.reshape(2, 5, 32), gate.reshape(2, 5, 32)]), torch.randn(32, generator=g),
                         torch.randn(1, 32, generator=g), 1e-6)),
     ]
 
