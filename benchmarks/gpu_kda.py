@@ -1,9 +1,9 @@
-"""GPU benchmark (one H200): fla-core chunk_kda alone vs our kernels.kda dispatch, torch path agreement,
-and (when policy has it) the `small` preset's forward+backward tokens/s and MFU with fla and torch KDA.
+"""GPU benchmark (one H200): fla-core chunk_kda alone vs our kernels.kda dispatch, and torch path
+agreement. The whole model's step is in benchmarks/gpu_model.py.
 
 Run on the device machine (fla-core installed, e.g. from a carried wheel):
 
-    python benchmarks/gpu_kda.py --seq 8192 [--json $OUT/gpu_kda.json] [--skip-model] [--only model_small]
+    python benchmarks/gpu_kda.py --seq 8192 [--json $OUT/gpu_kda.json] [--only decode]
 
 Timings: CUDA events, median of --iters after --warmup calls (the first call also pays
 Triton compilation/autotuning). fwd+bwd = forward, then backward from fixed random
@@ -21,7 +21,6 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s, vendor datasheet (H100/H200 SXM)
 RESULTS: dict[str, Any] = {}
 
 
@@ -126,47 +125,14 @@ def decode_section() -> None:
     log(f"decode step rms rel err (recurrent vs fla fused_recurrent): {RESULTS['decode_step_rms_rel_err']}")
 
 
-def model_section(T: int, warmup: int, iters: int) -> None:
-    from kernels.kda import kda_backend
-    from policy import build_model
-    from policy.params import count_parameters
-
-    torch.manual_seed(0)
-    model = build_model("small", device="cuda", dtype=torch.bfloat16)
-    counts = count_parameters(model)
-    cfg = model.config
-    ids = torch.randint(3, cfg.vocab_size, (1, T + 1), device="cuda")
-    x, y = ids[:, :-1], ids[:, 1:]
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        logits = model(x).logits
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).backward()
-
-    res: dict[str, Any] = {"params": counts, "tokens": T,
-                           "flops_per_token_6N": 6 * counts["active"]}
-    for backend in ("auto", "torch"):
-        with kda_backend(backend):
-            log(f"model small, kda backend={backend}: warm-up")
-            ms = cuda_time_ms(step, warmup, iters)
-        tps = T / (ms / 1e3)
-        mfu = 6 * counts["active"] * tps / H200_BF16_PEAK
-        label = "fla" if backend == "auto" else "torch"
-        res[label] = {"fwd_bwd_ms": round(ms, 2), "tokens_per_s": round(tps), "mfu_6N_pct": round(100 * mfu, 2)}
-        log(f"model small [{label}]: {ms:.1f} ms/step, {tps:,.0f} tok/s, MFU(6N) {100 * mfu:.2f}%")
-    res["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
-    RESULTS["model_small"] = res
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--torch-iters", type=int, default=3)
-    p.add_argument("--skip-model", action="store_true")
     p.add_argument("--only", nargs="*", default=None,
-                   help="run only these sections: kda_kimi_linear_layer kda_small_layer decode model_small "
+                   help="run only these sections: kda_kimi_linear_layer kda_small_layer decode "
                         "(each new KDA shape pays fla's Triton autotuning, ~220 s on an H200)")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     a = p.parse_args()
@@ -183,8 +149,6 @@ def main() -> None:
                                                 a.torch_iters)),
         ("decode", decode_section),
     ]
-    if not a.skip_model:
-        sections.append(("model_small", lambda: model_section(a.seq, a.warmup, max(3, a.iters // 2))))
     for name, fn in sections:
         if a.only is not None and name not in a.only:
             continue

@@ -46,7 +46,8 @@ def fused_on_cuda(fn: F) -> F:
         if not (_enabled and x is not None and x.is_cuda) or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            # not fullgraph: past the recompile limit Dynamo then runs fn eagerly instead of raising
+            compiled = torch.compile(fn, dynamic=True)
         return compiled(*args, **kwargs)
 
     return dispatch  # type: ignore[return-value]
