@@ -248,6 +248,17 @@ def _expert_shape(cfg: ModelConfig, w: str) -> tuple[int, int]:
     return (inner, cfg.moe_intermediate_size) if w == "w2" else (cfg.moe_intermediate_size, inner)
 
 
+def _unpad(name: str, t: torch.Tensor, n: int, what: str) -> torch.Tensor:
+    """K3 stores A_log padded with zeros to a round length (128 entries for 96 heads): keep the
+    first n; padding that is not zero means the config and the checkpoint disagree."""
+    if t.numel() > n:
+        if bool(t[n:].any()):
+            raise ValueError(f"checkpoint: {name} has {t.numel()} entries for {n} {what} and its A_log padding "
+                             f"is not zero: the config's head count does not match this checkpoint")
+        t = t[:n]
+    return t
+
+
 def from_hf_state_dict(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """kimi_k3 or kimi_linear tensors -> our names and shapes."""
     out: dict[str, torch.Tensor] = {}
@@ -295,7 +306,9 @@ def from_hf_state_dict(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
             experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = w
             continue
         if name.endswith(".self_attn.A_log"):
-            t = t.reshape(-1)
+            t = _unpad(name, t.reshape(-1), cfg.num_v_heads, "heads")
+        elif name.endswith((".block_sparse_moe.gate.weight", ".block_sparse_moe.gate.e_score_correction_bias")):
+            t = t[: cfg.num_experts]  # routers may be stored padded to a round expert count
         out[name] = t
     for (base, w), parts in experts.items():
         n = len(parts)

@@ -128,3 +128,32 @@ def test_public_k3_config_parses_to_the_k3_preset():
     diff = {k: (v, getattr(got, k)) for k, v in want.to_dict().items()
             if k not in ("name", "index_n_heads", "index_head_dim", "index_topk") and getattr(got, k) != v}
     assert not diff, diff
+
+
+def test_k3_padded_a_log_and_router_load_and_bad_padding_is_named(tmp_path):
+    """K3 checkpoints store A_log zero-padded to 128 entries (96 heads) and may pad the router to
+    a round expert count: both load as the real heads / experts; non-zero padding is refused."""
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    m = _model()
+    m.save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    raw = load_file(str(f))
+    a_log = "language_model.model.layers.1.self_attn.A_log"
+    gate = "language_model.model.layers.1.block_sparse_moe.gate"
+    heads, experts = raw[a_log].numel(), raw[gate + ".weight"].shape[0]
+    raw[a_log] = torch.cat([raw[a_log].reshape(-1), torch.zeros(6)])
+    raw[gate + ".weight"] = torch.cat([raw[gate + ".weight"], torch.randn(4, raw[gate + ".weight"].shape[1])])
+    raw[gate + ".e_score_correction_bias"] = torch.cat([raw[gate + ".e_score_correction_bias"], torch.full((4,), -9.0)])
+    save_file(raw, str(f), metadata={"format": "pt"})
+    b = policy.from_pretrained(tmp_path)
+    assert b.model.layers[1].self_attn.A_log.numel() == heads
+    assert b.model.layers[1].block_sparse_moe.gate.weight.shape[0] == experts
+    x = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, b(x).logits)
+    raw[a_log][-1] = 0.5
+    save_file(raw, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="A_log padding is not zero"):
+        policy.from_pretrained(tmp_path)
