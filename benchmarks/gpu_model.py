@@ -78,6 +78,7 @@ def paths(name: str) -> ExitStack:
 def check_fast_paths() -> None:
     """bf16 agreement of each fast path with its reference, forward and gradients."""
     from kernels.attention import attention
+    from kernels.ops import topk_mask
     from policy import get_config
     from policy.layers import moe
 
@@ -86,8 +87,8 @@ def check_fast_paths() -> None:
     # attention: plain causal (flash, padded head dims) and DSA-style top-k mask (memory-efficient)
     B, T, H, Dk, Dv = 1, 2048, 4, 96, 128
     q, k, v = (torch.randn(B, T, H, d, device="cuda", dtype=torch.bfloat16) for d in (Dk, Dk, Dv))
-    top = torch.sort(torch.rand(B, T, T, device="cuda"), -1).indices[..., :512]
-    for label, kw in (("causal", {}), ("topk", {"topk_indices": top})):
+    sel = topk_mask(torch.rand(B, T, T, device="cuda"), 512)
+    for label, kw in (("causal", {}), ("topk", {"mask": sel})):
         res = []
         for backend in ("torch", "sdpa"):
             leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]

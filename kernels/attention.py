@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .ops import masked_attention, topk_to_mask
+from .ops import masked_attention
 
 __all__ = ["attention", "attention_backend", "set_attention_backend"]
 
@@ -50,7 +50,7 @@ def attention_backend(name: str) -> Iterator[None]:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, causal: bool = True,
-              key_mask: Tensor | None = None, topk_indices: Tensor | None = None,
+              key_mask: Tensor | None = None, mask: Tensor | None = None,
               sink: Tensor | None = None, backend: str | None = None) -> Tensor:
     """Shapes and masks as in `kernels.ops.masked_attention`; returns [B, Tq, Hq, Dv] in v's dtype."""
     backend = _default_backend if backend is None else backend
@@ -58,20 +58,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, causa
         raise ValueError(f"attention: backend must be one of {_BACKENDS}, got {backend!r}")
     fused = backend == "sdpa" or (backend == "auto" and q.is_cuda)
     if not fused or sink is not None or q.dtype == torch.float64:
-        return masked_attention(q, k, v, scale, causal, key_mask, topk_indices, sink)
-    return _sdpa(q, k, v, scale, causal, key_mask, topk_indices)
+        return masked_attention(q, k, v, scale, causal, key_mask, mask, sink)
+    return _sdpa(q, k, v, scale, causal, key_mask, mask)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: bool,
-          key_mask: Tensor | None, topk_indices: Tensor | None) -> Tensor:
+          key_mask: Tensor | None, mask: Tensor | None) -> Tensor:
     B, Tq, Hq, Dk = q.shape
     Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if Hq % Hk or k.shape[3] != Dk or v.shape[:3] != k.shape[:3] or (causal and Tq > Tk):
-        return masked_attention(q, k, v, scale, causal, key_mask, topk_indices)  # its error messages
+    bad_mask = mask is not None and (mask.shape != (B, Tq, Tk) or mask.dtype != torch.bool)
+    if Hq % Hk or k.shape[3] != Dk or v.shape[:3] != k.shape[:3] or (causal and Tq > Tk) or bad_mask:
+        return masked_attention(q, k, v, scale, causal, key_mask, mask)  # its error messages
     scale = Dk ** -0.5 if scale is None else float(scale)
     dtype = v.dtype
     q, k = q.to(dtype), k.to(dtype)
-    plain = topk_indices is None and Tq == Tk and (key_mask is None or bool(key_mask.all()))
+    plain = mask is None and Tq == Tk and (key_mask is None or bool(key_mask.all()))
     if plain:
         D = max(Dk, Dv)  # the flash kernel wants one head dim for q, k and v
         q, k, v = (F.pad(t, (0, D - t.shape[-1])) if t.shape[-1] < D else t for t in (q, k, v))
@@ -85,8 +86,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: bool,
         allowed = allowed & (torch.arange(Tk, device=q.device)[None, :] <= qpos)
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, :]
-    if topk_indices is not None:
-        allowed = allowed & topk_to_mask(topk_indices, Tk)
+    if mask is not None:
+        allowed = allowed & mask
     empty = ~allowed.any(-1, keepdim=True)  # [B, Tq, 1]: let such rows see everything, then zero them
     mask = (allowed | empty).unsqueeze(1)  # [B, 1, Tq, Tk]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from .fusion import fused_on_cuda
 
-__all__ = ["rms_norm", "gated_rms_norm", "l2norm", "situ_glu", "short_conv", "masked_attention", "topk_to_mask"]
+__all__ = ["rms_norm", "gated_rms_norm", "l2norm", "situ_glu", "short_conv", "masked_attention", "topk_mask",
+           "topk_to_mask"]
 
 Tensor = torch.Tensor
 
@@ -96,6 +97,22 @@ def short_conv(
     return y.to(x.dtype), xp[:, xp.shape[1] - (W - 1):]
 
 
+def topk_mask(scores: Tensor, k: int) -> Tensor:
+    """Boolean mask of the k largest entries along the last dim. Ties at the k-th value go to the
+    lowest indices, exactly the set a stable descending sort keeps, without sorting the row:
+    one top-k for the threshold, then a count of the ties before each position."""
+    n = scores.shape[-1]
+    if k >= n:
+        return torch.ones_like(scores, dtype=torch.bool)
+    if k <= 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    threshold = scores.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above = scores > threshold
+    ties = scores == threshold
+    room = k - above.sum(-1, keepdim=True, dtype=torch.int32)
+    return above | (ties & (ties.to(torch.int32).cumsum(-1, dtype=torch.int32) <= room))
+
+
 def topk_to_mask(indices: Tensor, num_keys: int) -> Tensor:
     """Boolean mask [..., num_keys] that is True at the given key indices; entries < 0 are ignored."""
     if indices.dtype not in (torch.int32, torch.int64):
@@ -112,7 +129,7 @@ def masked_attention(
     scale: float | None = None,
     causal: bool = True,
     key_mask: Tensor | None = None,
-    topk_indices: Tensor | None = None,
+    mask: Tensor | None = None,
     sink: Tensor | None = None,
 ) -> Tensor:
     """Softmax attention with every mask the global layers need, in fp32.
@@ -120,7 +137,7 @@ def masked_attention(
     q: [B, Tq, Hq, Dk]; k: [B, Tk, Hk, Dk]; v: [B, Tk, Hk, Dv]; Hk divides Hq (GQA).
     causal: query i sits at absolute position Tk - Tq + i (a decode step sees the cache).
     key_mask: bool [B, Tk], True = a real key (False = padding or a gap between caches).
-    topk_indices: int [B, Tq, k]: keys each query may use (DSA top-k), -1 = unused slot.
+    mask: bool [B, Tq, Tk]: keys each query may use (the DSA top-k selection), ANDed with the rest.
     sink: [Hq] logit per head that joins the softmax denominator only.
     Rows with no allowed key (and no sink) output zeros, not NaN. Returns [B, Tq, Hq, Dv].
     """
@@ -155,11 +172,11 @@ def masked_attention(
             raise ValueError(f"masked_attention: key_mask must be bool [B, Tk] = [{B}, {Tk}], got "
                              f"{key_mask.dtype} {tuple(key_mask.shape)}")
         allowed = allowed & key_mask[:, None, None, :]
-    if topk_indices is not None:
-        if topk_indices.dim() != 3 or topk_indices.shape[:2] != (B, Tq):
-            raise ValueError(f"masked_attention: topk_indices must be [B, Tq, k] = [{B}, {Tq}, k], "
-                             f"got {tuple(topk_indices.shape)}")
-        allowed = allowed & topk_to_mask(topk_indices, Tk)[:, None]
+    if mask is not None:
+        if mask.shape != (B, Tq, Tk) or mask.dtype != torch.bool:
+            raise ValueError(f"masked_attention: mask must be bool [B, Tq, Tk] = [{B}, {Tq}, {Tk}], got "
+                             f"{mask.dtype} {tuple(mask.shape)}")
+        allowed = allowed & mask[:, None]
     logits = logits.masked_fill(~allowed, float("-inf"))
 
     if sink is not None:

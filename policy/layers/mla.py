@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kernels.attention import attention
-from kernels.ops import topk_to_mask
+from kernels.ops import topk_mask
 
 from ..cache import MLACache
 from ..config import ModelConfig
@@ -144,22 +144,22 @@ class MLAMixer(nn.Module):
         j = torch.arange(S, device=x.device)
         t = torch.arange(T, device=x.device)
         allowed = full.valid[:, None, :] & (j[None, :] <= past + t[:, None])[None]  # [B, T, S]
-        visible, top = allowed, None
+        visible, selected = allowed, None  # selected: the DSA top-k mask when it applies
         idx_scores = None
         if self.sparse and (self.dsa_stage == "sparse" or indexer_loss):
             idx_scores = self.indexer.scores(x.detach(), q_in.detach(), full.index_k)
             if self.dsa_stage == "sparse" and self.indexer.topk < S:
-                # stable sort, not topk: ties (ReLU zeros are common) go to the earlier key, so the
-                # choice depends only on the order of real keys, not on gaps from batched caches
+                # ties (ReLU zeros are common) go to the earlier key, so the choice depends only on
+                # the order of real keys, not on gaps from batched caches
                 masked = idx_scores.masked_fill(~allowed, float("-inf"))
-                top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :self.indexer.topk]
-                visible = allowed & topk_to_mask(top, S)
+                visible = allowed & topk_mask(masked, self.indexer.topk)
+                selected = visible
 
         if absorb:
-            o = self._attend_absorbed(q, full, top)
+            o = self._attend_absorbed(q, full, selected)
         else:
             o = attention(q, k, v, scale=self.scale, causal=True, key_mask=full.valid,
-                          topk_indices=top, sink=self.sinks)  # [B, T, H, vd]
+                          mask=selected, sink=self.sinks)  # [B, T, H, vd]
         if self.output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float()).reshape(B, T, self.H, self.vd).to(o.dtype)
         y = self.o_proj(o.reshape(B, T, self.H * self.vd))
@@ -185,7 +185,7 @@ class MLAMixer(nn.Module):
             logits = logits.masked_fill(~visible[:, None, t0:t0 + _QK_STAT_CHUNK], float("-inf"))
             self.qk_max.copy_(torch.maximum(self.qk_max, logits.amax(dim=(0, 2, 3))))
 
-    def _attend_absorbed(self, q: torch.Tensor, full: MLACache, top: torch.Tensor | None) -> torch.Tensor:
+    def _attend_absorbed(self, q: torch.Tensor, full: MLACache, selected: torch.Tensor | None) -> torch.Tensor:
         """Attention with W_UK folded into the query and W_UV applied after: one shared latent
         key/value head (MQA over [latent, k_rope]). Same result as expanding K and V."""
         w = self.kv_b_proj.weight.view(self.H, self.nope + self.vd, self.kv_lora)
@@ -194,7 +194,7 @@ class MLAMixer(nn.Module):
         q_abs = torch.cat([q_lat, q[..., self.nope:]], -1)  # [B, T, H, L + R]
         k_abs = torch.cat([full.latent, full.k_rope], -1).unsqueeze(2)  # [B, S, 1, L + R]
         ctx = attention(q_abs, k_abs, full.latent.unsqueeze(2), scale=self.scale, causal=True,
-                        key_mask=full.valid, topk_indices=top, sink=self.sinks)  # [B, T, H, L]
+                        key_mask=full.valid, mask=selected, sink=self.sinks)  # [B, T, H, L]
         return torch.einsum("bthl,hvl->bthv", ctx, w_uv)
 
     # ---- QK-Clip ---------------------------------------------------------------------------

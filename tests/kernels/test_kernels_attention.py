@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.attention import attention, attention_backend
-from kernels.ops import masked_attention
+from kernels.ops import masked_attention, topk_to_mask
 
 
 def _qkv(B: int, Tq: int, Tk: int, Hq: int, Hk: int, Dk: int, Dv: int, seed: int = 0):
@@ -30,8 +30,9 @@ def test_masks_topk_decode_and_empty_rows_match_reference():
     key_mask[0, :8] = False  # batch 0: its first query (position 6) sees no real key
     top = torch.randint(0, 9, (2, 3, 4), generator=torch.Generator().manual_seed(3))
     top[1, 0, 0] = -1
-    ref = masked_attention(q, k, v, key_mask=key_mask, topk_indices=top)
-    out = attention(q, k, v, key_mask=key_mask, topk_indices=top, backend="sdpa")
+    sel = topk_to_mask(top, 9)
+    ref = masked_attention(q, k, v, key_mask=key_mask, mask=sel)
+    out = attention(q, k, v, key_mask=key_mask, mask=sel, backend="sdpa")
     assert torch.allclose(out, ref, atol=1e-5)
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
 

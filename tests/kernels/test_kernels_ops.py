@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import l2norm, masked_attention, rms_norm, short_conv, situ_glu, topk_to_mask
+from kernels.ops import l2norm, masked_attention, rms_norm, short_conv, situ_glu, topk_mask, topk_to_mask
 
 
 def test_rms_norm_and_l2norm():
@@ -93,13 +93,14 @@ def test_masked_attention_key_mask_topk_and_sink():
     key_mask = torch.tensor([[True, False, True, True, True]])
     idx = torch.tensor([[[0, -1], [0, 1], [2, 0], [3, 1], [4, 2]]])
     sink = torch.tensor([0.5, -1.0], dtype=torch.float64)
-    out = masked_attention(q, k, v, key_mask=key_mask, topk_indices=idx, sink=sink)
+    out = masked_attention(q, k, v, key_mask=key_mask, mask=topk_to_mask(idx, T), sink=sink)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     mask = causal & key_mask[:, None, None, :] & topk_to_mask(idx, T)[:, None]
     assert torch.allclose(out, _dense(q, k, v, mask, sink), atol=1e-12)
     # top-k covering every key == dense causal attention
     all_idx = torch.arange(T).expand(B, T, T)
-    assert torch.allclose(masked_attention(q, k, v, topk_indices=all_idx), masked_attention(q, k, v), atol=1e-12)
+    assert torch.allclose(masked_attention(q, k, v, mask=topk_to_mask(all_idx, T)), masked_attention(q, k, v),
+                          atol=1e-12)
     # a row whose only key is masked gives zeros (no sink) rather than NaN
     o2 = masked_attention(q, k, v, key_mask=torch.tensor([[False, True, True, True, True]]))
     assert torch.equal(o2[:, 0], torch.zeros_like(o2[:, 0])) and torch.isfinite(o2).all()
@@ -118,3 +119,17 @@ def test_masked_attention_bad_shapes():
         masked_attention(q, torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4))
     with pytest.raises(ValueError, match="key_mask"):
         masked_attention(q, torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4), key_mask=torch.ones(1, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_topk_mask_keeps_what_a_stable_sort_keeps(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(5)
+    # coarse values: many ties, also across the k-th place; -inf (masked keys) and -0.0 included
+    scores = torch.randint(-3, 4, (3, 7, 40), generator=g).to(dtype)
+    scores[0, :, 30:] = float("-inf")
+    scores[1, 2] = float("-inf")
+    scores[2, 0, ::3] = -0.0
+    for k in (1, 5, 17, 35, 39):
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+        assert torch.equal(topk_mask(scores, k), topk_to_mask(order, 40)), k
+    assert topk_mask(scores, 40).all() and topk_mask(scores, 80).all() and not topk_mask(scores, 0).any()
