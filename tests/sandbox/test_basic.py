@@ -143,13 +143,22 @@ def test_open_sandbox_rejects_bad_arguments():
         sandbox.open_sandbox("process", image="/nonexistent-rootfs")
 
 
-def test_process_backend_runs_on_the_base_rootfs():
-    """The debootstrap rootfs kept by build-image is also a process-backend image."""
+@pytest.mark.parametrize("jail", ["bwrap", "unshare"])
+def test_process_backend_runs_on_the_base_rootfs(jail: str, monkeypatch: pytest.MonkeyPatch):
+    """The debootstrap rootfs kept by build-image is also a process-backend image, with
+    bubblewrap and on the unshare fallback alike."""
+    import os
+    import shutil
+
     from sandbox.images import base_rootfs
 
     root = base_rootfs()
     if root is None:
         pytest.skip("no base rootfs kept on this node (run `rl sandbox build-image --force` to keep one)")
+    if jail == "unshare":
+        if shutil.which("unshare") is None or os.geteuid() != 0:
+            pytest.skip("the unshare fallback needs util-linux unshare and root")
+        monkeypatch.setenv("RL_SANDBOX_NO_BWRAP", "1")
     # a file the host's /usr has and the minimal rootfs lacks tells the two apart
     probe = next(p for p in ("/usr/bin/bwrap", "/usr/bin/unshare", "/usr/bin/dpkg") if Path(p).exists()
                  and not (root / p.lstrip("/")).exists())
