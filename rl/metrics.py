@@ -25,12 +25,16 @@ def wandb_mode(requested: str) -> str:
         return "offline"
 
 
+GRPO_AXIS, WARMUP_AXIS = "grpo_step", "warmup_step"
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict[str, Any],
                  resume: bool) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.mode = wandb_mode(mode)
         self._wandb = None
+        self._axes_defined: set[str] = set()
         if self.mode != "disabled":
             import wandb
 
@@ -39,13 +43,22 @@ class MetricsLogger:
             run_id_file.write_text(run_id)
             self._wandb = wandb.init(project=project, name=name, id=run_id, dir=str(run_dir), mode=self.mode,
                                      config=config, resume="allow" if resume else None, reinit=True)
+            for axis in (GRPO_AXIS, WARMUP_AXIS):
+                self._wandb.define_metric(axis)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """step >= 0: a GRPO step; step < 0: a warm-up (SFT) step, counted up to -1."""
         record = {"step": step, **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            # wandb's own step must only grow, and warm-up steps are negative: each phase gets
+            # its own x-axis metric instead, and wandb's step just counts calls
+            axis = WARMUP_AXIS if step < 0 else GRPO_AXIS
+            for prefix in {k.split("/", 1)[0] for k in metrics} - self._axes_defined:
+                self._wandb.define_metric(f"{prefix}/*", step_metric=axis)
+                self._axes_defined.add(prefix)
+            self._wandb.log({**metrics, axis: step})
 
     def close(self) -> None:
         if self._wandb is not None:
