@@ -42,7 +42,7 @@ class MetricsLogger:
             run_id = run_id_file.read_text().strip() if run_id_file.exists() else uuid.uuid4().hex[:12]
             run_id_file.write_text(run_id)
             self._wandb = wandb.init(project=project, name=name, id=run_id, dir=str(run_dir), mode=self.mode,
-                                     config=config, resume="allow" if resume else None, reinit=True)
+                                     config=config, resume="allow" if resume else None, reinit="finish_previous")
             for axis in (GRPO_AXIS, WARMUP_AXIS):
                 self._wandb.define_metric(axis)
 
