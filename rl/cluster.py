@@ -83,6 +83,10 @@ def env_kwargs(cfg: RunConfig, name: str) -> dict[str, Any]:
     return {"sandbox_backend": cfg.sandbox_backend, **entry.kwargs}
 
 
+def env_worker_name(run_id: str, index: int) -> str:
+    return f"env-{run_id}-{index}"
+
+
 def start_env_side(cfg: RunConfig, run_id: str) -> list:
     """The environment workers (each owns its grader pool): needed before the policy exists
     (reference episodes train the tokenizer and feed the warm-up)."""
@@ -91,7 +95,7 @@ def start_env_side(cfg: RunConfig, run_id: str) -> list:
     env_specs = {e.name: env_kwargs(cfg, e.name) for e in cfg.envs}
     grading = {"num_actors": cfg.grader.num_workers, "timeout_s": cfg.grader.timeout_s, "retries": cfg.grader.retries}
     return [
-        ray.remote(EnvWorker).options(num_cpus=0.25, name=f"env-{run_id}-{i}", max_restarts=2)
+        ray.remote(EnvWorker).options(num_cpus=0.25, name=env_worker_name(run_id, i), max_restarts=2)
         .remote(env_specs, grading, run_id, cfg.sandbox_backend, cfg.rollout.group_size)
         for i in range(cfg.rollout.env_workers)
     ]
@@ -104,10 +108,13 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
     from rl.rollout.worker import RolloutWorker
     from rl.scheduler import RolloutScheduler, SamplingPlan
 
+    # environment workers by name, not handle: a restartable actor whose constructor holds actor
+    # handles is one Ray warns may fail to restart
+    env_names = [env_worker_name(run_id, i) for i in range(len(env_workers))]
     rollout_workers = [
         ray.remote(RolloutWorker).options(num_cpus=cfg.rollout.worker_cpus, name=f"rollout-{run_id}-{i}",
                                           max_restarts=cfg.rollout.max_retries + 1, max_task_retries=0)
-        .remote(spec, tokenizer_dir, env_workers, cfg.rollout.max_context, cfg.rollout.record_routing,
+        .remote(spec, tokenizer_dir, env_names, cfg.rollout.max_context, cfg.rollout.record_routing,
                 cfg.seed + 1000 * (i + 1))
         for i in range(cfg.rollout.num_workers)
     ]

@@ -23,8 +23,8 @@ def stop_token_ids(tokenizer) -> set[int]:
 
 
 class RolloutWorker:
-    def __init__(self, model_spec: dict[str, Any], tokenizer_dir: str, env_workers: list, max_context: int,
-                 record_routing: bool, seed: int) -> None:
+    def __init__(self, model_spec: dict[str, Any], tokenizer_dir: str, env_worker_names: list[str],
+                 max_context: int, record_routing: bool, seed: int) -> None:
         torch.set_num_threads(1)
         from policy import Tokenizer, build_model, from_pretrained
 
@@ -35,7 +35,7 @@ class RolloutWorker:
         else:  # training: weights arrive from the learner
             model, self.weight_version = build_model(model_spec["preset"], **model_spec["overrides"]), -1
         self.engine = TorchEngine(model, record_routing=record_routing, seed=seed)
-        self.env_workers = env_workers
+        self.env_workers = [ray.get_actor(name) for name in env_worker_names]
         self.max_context = max_context
         self.stop_ids = stop_token_ids(self.tokenizer)
 
