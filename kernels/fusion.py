@@ -27,23 +27,14 @@ def set_fusion(enabled: bool) -> bool:
     return prev
 
 
-def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a
-        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-            return a[0]
-    return None
-
-
 def fused_on_cuda(fn: F) -> F:
     compiled: Callable[..., Any] | None = None
 
     @functools.wraps(fn)
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
-        x = _first_tensor(args)
-        if not (_enabled and x is not None and x.is_cuda) or torch.compiler.is_compiling():
+        x = args[0]  # every fused op takes its main tensor first
+        if not (_enabled and x.is_cuda) or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if compiled is None:
             # not fullgraph: past the recompile limit Dynamo then runs fn eagerly instead of raising

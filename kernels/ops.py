@@ -36,8 +36,7 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
 @fused_on_cuda
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """rms_norm(x) * weight * sigmoid(gate) over the last dim (the KDA output norm), in fp32."""
-    y = _up(x) * torch.rsqrt(_up(x).pow(2).mean(-1, keepdim=True) + eps) * _up(weight) * torch.sigmoid(_up(gate))
-    return y.to(x.dtype)
+    return (rms_norm(_up(x), weight, eps) * torch.sigmoid(_up(gate))).to(x.dtype)
 
 
 @fused_on_cuda

@@ -248,14 +248,14 @@ def _expert_shape(cfg: ModelConfig, w: str) -> tuple[int, int]:
     return (inner, cfg.moe_intermediate_size) if w == "w2" else (cfg.moe_intermediate_size, inner)
 
 
-def _unpad(name: str, t: torch.Tensor, n: int, what: str) -> torch.Tensor:
+def _unpad_a_log(name: str, t: torch.Tensor, heads: int) -> torch.Tensor:
     """K3 stores A_log padded with zeros to a round length (128 entries for 96 heads): keep the
-    first n; padding that is not zero means the config and the checkpoint disagree."""
-    if t.numel() > n:
-        if bool(t[n:].any()):
-            raise ValueError(f"checkpoint: {name} has {t.numel()} entries for {n} {what} and its A_log padding "
+    first `heads`; padding that is not zero means the config and the checkpoint disagree."""
+    if t.numel() > heads:
+        if bool(t[heads:].any()):
+            raise ValueError(f"checkpoint: {name} has {t.numel()} entries for {heads} heads and its A_log padding "
                              f"is not zero: the config's head count does not match this checkpoint")
-        t = t[:n]
+        t = t[:heads]
     return t
 
 
@@ -306,7 +306,7 @@ def from_hf_state_dict(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
             experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = w
             continue
         if name.endswith(".self_attn.A_log"):
-            t = _unpad(name, t.reshape(-1), cfg.num_v_heads, "heads")
+            t = _unpad_a_log(name, t.reshape(-1), cfg.num_v_heads)
         elif name.endswith((".block_sparse_moe.gate.weight", ".block_sparse_moe.gate.e_score_correction_bias")):
             t = t[: cfg.num_experts]  # routers may be stored padded to a round expert count
         out[name] = t

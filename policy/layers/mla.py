@@ -144,7 +144,7 @@ class MLAMixer(nn.Module):
         j = torch.arange(S, device=x.device)
         t = torch.arange(T, device=x.device)
         allowed = full.valid[:, None, :] & (j[None, :] <= past + t[:, None])[None]  # [B, T, S]
-        visible, selected = allowed, None  # selected: the DSA top-k mask when it applies
+        visible, selected = allowed, None  # selected: the DSA top-k keys, when they apply
         idx_scores = None
         if self.sparse and (self.dsa_stage == "sparse" or indexer_loss):
             idx_scores = self.indexer.scores(x.detach(), q_in.detach(), full.index_k)
@@ -152,8 +152,8 @@ class MLAMixer(nn.Module):
                 # ties (ReLU zeros are common) go to the earlier key, so the choice depends only on
                 # the order of real keys, not on gaps from batched caches
                 masked = idx_scores.masked_fill(~allowed, float("-inf"))
-                visible = allowed & topk_mask(masked, self.indexer.topk)
-                selected = visible
+                selected = topk_mask(masked, self.indexer.topk)
+                visible = allowed & selected
 
         if absorb:
             o = self._attend_absorbed(q, full, selected)

@@ -97,7 +97,7 @@ class StackedExperts(nn.Module):
 
 def _grouped_mm_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
     """torch._grouped_mm: CUDA (sm90+), bf16, dims a multiple of 16 (its alignment rule)."""
-    return (_GROUPED_MM and a.is_cuda and a.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    return (_GROUPED_MM and a.is_cuda and a.dtype == w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(a.device)[0] >= 9 and all(d % 16 == 0 for d in w.shape[1:]))
 
 
