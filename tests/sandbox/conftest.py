@@ -6,7 +6,6 @@ and skip (with the reason) only where no daemon answers.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ if _HERE not in sys.path:
 import sandbox  # noqa: E402
 from sandbox import Sandbox  # noqa: E402
 
-from sandbox_testutil import RUN  # noqa: E402
+from sandbox_testutil import RUN, use_unshare_fallback  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -54,10 +53,17 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if kind == "bwrap" and shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed (apt-get install -y bubblewrap)")
     if kind == "unshare":
-        if shutil.which("unshare") is None or os.geteuid() != 0:
-            pytest.skip("the unshare fallback needs util-linux unshare and root")
-        monkeypatch.setenv("RL_SANDBOX_NO_BWRAP", "1")
+        use_unshare_fallback(monkeypatch)
     return "process"
+
+
+@pytest.fixture(params=["process", "docker"])
+def backend_name(request: pytest.FixtureRequest) -> str:
+    """A backend by the name open_sandbox / SandboxPool / the CLI take (process = bubblewrap
+    when installed)."""
+    if request.param == "docker":
+        request.getfixturevalue("docker_image")
+    return request.param
 
 
 @pytest.fixture

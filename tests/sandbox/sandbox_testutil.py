@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
+
+import pytest
 
 RUN = f"pytest-{uuid.uuid4().hex[:8]}"  # the run label of every sandbox of this test session
 
@@ -19,3 +22,10 @@ def host_pids(marker: str) -> list[int]:
             except OSError:
                 pass
     return out
+
+
+def use_unshare_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the process backend take its unshare fallback (skip where it cannot run)."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("the unshare fallback needs util-linux unshare and root")
+    monkeypatch.setenv("RL_SANDBOX_NO_BWRAP", "1")

@@ -147,18 +147,14 @@ def test_open_sandbox_rejects_bad_arguments():
 def test_process_backend_runs_on_the_base_rootfs(jail: str, monkeypatch: pytest.MonkeyPatch):
     """The debootstrap rootfs kept by build-image is also a process-backend image, with
     bubblewrap and on the unshare fallback alike."""
-    import os
-    import shutil
-
     from sandbox.images import base_rootfs
+    from sandbox_testutil import use_unshare_fallback
 
     root = base_rootfs()
     if root is None:
         pytest.skip("no base rootfs kept on this node (run `rl sandbox build-image --force` to keep one)")
     if jail == "unshare":
-        if shutil.which("unshare") is None or os.geteuid() != 0:
-            pytest.skip("the unshare fallback needs util-linux unshare and root")
-        monkeypatch.setenv("RL_SANDBOX_NO_BWRAP", "1")
+        use_unshare_fallback(monkeypatch)
     # a file the host's /usr has and the minimal rootfs lacks tells the two apart
     probe = next(p for p in ("/usr/bin/bwrap", "/usr/bin/unshare", "/usr/bin/dpkg") if Path(p).exists()
                  and not (root / p.lstrip("/")).exists())

@@ -4,7 +4,6 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 import sandbox
@@ -13,34 +12,27 @@ from sandbox.cli import sandbox_app
 runner = CliRunner()
 
 
-@pytest.fixture(params=["process", "docker"])
-def cli_backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "docker":
-        request.getfixturevalue("docker_image")
-    return request.param
-
-
-def test_run_prints_output_and_exits_with_the_code(cli_backend: str):
-    res = runner.invoke(sandbox_app, ["run", "--backend", cli_backend, "--", "sh", "-c", "echo out; echo err >&2; exit 3"])
+def test_run_prints_output_and_exits_with_the_code(backend_name: str):
+    res = runner.invoke(sandbox_app, ["run", "--backend", backend_name, "--", "sh", "-c", "echo out; echo err >&2; exit 3"])
     assert res.exit_code == 3, res.output
     assert "out\n" in res.output and "err\n" in res.output
-    res = runner.invoke(sandbox_app, ["run", "-b", cli_backend, "--", "echo piped | tr a-z A-Z"])
+    res = runner.invoke(sandbox_app, ["run", "-b", backend_name, "--", "echo piped | tr a-z A-Z"])
     assert res.exit_code == 0 and res.output == "PIPED\n"
 
 
-def test_run_timeout_exits_124(cli_backend: str):
-    res = runner.invoke(sandbox_app, ["run", "-b", cli_backend, "--timeout", "0.5", "--", "sleep", "30"])
+def test_run_timeout_exits_124(backend_name: str):
+    res = runner.invoke(sandbox_app, ["run", "-b", backend_name, "--timeout", "0.5", "--", "sleep", "30"])
     assert res.exit_code == 124 and "timed out" in res.output
 
 
-def test_run_memory_and_network_flags(cli_backend: str):
+def test_run_memory_and_network_flags(backend_name: str):
     hog = ["python3", "-c", "x = bytearray(300 << 20)"]
-    res = runner.invoke(sandbox_app, ["run", "-b", cli_backend, "--memory", "64", "--", *hog])
+    res = runner.invoke(sandbox_app, ["run", "-b", backend_name, "--memory", "64", "--", *hog])
     assert res.exit_code != 0
-    assert runner.invoke(sandbox_app, ["run", "-b", cli_backend, "--memory", "512", "--", *hog]).exit_code == 0
+    assert runner.invoke(sandbox_app, ["run", "-b", backend_name, "--memory", "512", "--", *hog]).exit_code == 0
     probe = ["python3", "-c", "import socket; print(len(socket.if_nameindex()))"]
-    off = runner.invoke(sandbox_app, ["run", "-b", cli_backend, "--", *probe])
-    on = runner.invoke(sandbox_app, ["run", "-b", cli_backend, "--network", "--", *probe])
+    off = runner.invoke(sandbox_app, ["run", "-b", backend_name, "--", *probe])
+    on = runner.invoke(sandbox_app, ["run", "-b", backend_name, "--network", "--", *probe])
     assert off.exit_code == 0 and on.exit_code == 0
     assert int(off.output) == 1 and int(on.output) > 1  # loopback only, unless --network
 

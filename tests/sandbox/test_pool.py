@@ -15,15 +15,8 @@ from sandbox_testutil import RUN
 FAST = dict(episode_deadline=30.0, grading_time=10.0, health_interval=0.2, labels={"run": RUN})
 
 
-@pytest.fixture(params=["process", "docker"])
-def pool_backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "docker":
-        request.getfixturevalue("docker_image")
-    return request.param
-
-
-def test_warm_acquire_is_fast_and_sandboxes_are_fresh(pool_backend: str):
-    with SandboxPool(pool_backend, warm=2, max_live=4, **FAST) as pool:
+def test_warm_acquire_is_fast_and_sandboxes_are_fresh(backend_name: str):
+    with SandboxPool(backend_name, warm=2, max_live=4, **FAST) as pool:
         assert pool.wait_ready(2, timeout=60)
         t0 = time.perf_counter()
         sb = pool.acquire(labels={"episode": "w1"})
@@ -134,8 +127,8 @@ def test_closed_pool_refuses_and_closes_its_sandboxes():
         pool.acquire()
 
 
-def test_pool_fork_seeds_warm_sandboxes_from_a_snapshot(pool_backend: str):
-    with SandboxPool(pool_backend, warm=2, max_live=4, **FAST) as pool:
+def test_pool_fork_seeds_warm_sandboxes_from_a_snapshot(backend_name: str):
+    with SandboxPool(backend_name, warm=2, max_live=4, **FAST) as pool:
         parent = pool.acquire()
         parent.write_file("prefix.txt", "shared prompt state")
         snap = parent.snapshot()
@@ -146,7 +139,7 @@ def test_pool_fork_seeds_warm_sandboxes_from_a_snapshot(pool_backend: str):
         assert parent.read_file("prefix.txt") == b"shared prompt state"
         for sb in (parent, *kids):
             sb.close()
-        other = "docker" if pool_backend == "process" else "process"
+        other = "docker" if backend_name == "process" else "process"
         with pytest.raises(ValueError, match="cannot seed"):
             pool.fork(type(snap)(backend=other, image=None, archive=snap.archive))
 
