@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import traceback
 from typing import Any, Callable
@@ -21,31 +20,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from gpu_timing import cuda_time_ms, log, rel_err
+
 RESULTS: dict[str, Any] = {}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def cuda_time_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def rms_rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
 def kda_inputs(B: int, T: int, H: int, D: int, seed: int = 0) -> list[torch.Tensor]:
@@ -89,7 +66,7 @@ def kda_section(name: str, B: int, T: int, H: int, D: int, warmup: int, iters: i
     log(f"{name}: first call {res['fla_first_call_s']}s; torch path for agreement")
     out_torch = fwd_bwd(lambda *a, **kw: kda_chunk(*a, **kw), base, grads)
     labels = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    res["rms_rel_err_torch_vs_fla"] = {lab: rms_rel(a, b) for lab, a, b in zip(labels, out_torch, out_fla)}
+    res["rms_rel_err_torch_vs_fla"] = {lab: rel_err(a, b) for lab, a, b in zip(labels, out_torch, out_fla)}
     log(f"{name}: rms rel err torch vs fla {res['rms_rel_err_torch_vs_fla']}")
     del out_fla, out_torch
 
@@ -121,7 +98,7 @@ def decode_section() -> None:
     with torch.no_grad():
         o_f, s_f = kda(*base[:5], initial_state=base[5], output_final_state=True)
         o_t, s_t = kda_recurrent(*base[:5], initial_state=base[5], output_final_state=True)
-    RESULTS["decode_step_rms_rel_err"] = {"o": rms_rel(o_t, o_f), "state": rms_rel(s_t, s_f)}
+    RESULTS["decode_step_rms_rel_err"] = {"o": rel_err(o_t, o_f), "state": rel_err(s_t, s_f)}
     log(f"decode step rms rel err (recurrent vs fla fused_recurrent): {RESULTS['decode_step_rms_rel_err']}")
 
 

@@ -17,40 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from contextlib import ExitStack
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from gpu_timing import cuda_time_ms, log, rel_err
+
 H200_BF16_PEAK = 989e12
 RESULTS: dict[str, Any] = {}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def cuda_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def paths(name: str) -> ExitStack:
@@ -162,7 +138,7 @@ def model_step(seq: int, batch: int, configs: list[str], warmup: int, iters: int
             log(f"B={batch} T={seq} [{name}]: warm-up")
             torch.cuda.reset_peak_memory_stats()
             try:
-                ms = cuda_ms(step, warmup, iters if name == "fast" else max(2, iters // 3))
+                ms = cuda_time_ms(step, warmup, iters if name == "fast" else max(2, iters // 3))
             except Exception as e:  # keep the other configurations' figures
                 res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 log(f"B={batch} T={seq} [{name}] FAILED: {res[name]['error']}")
