@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .fusion import fused_on_cuda
 
 __all__ = ["rms_norm", "gated_rms_norm", "l2norm", "situ_glu", "short_conv", "masked_attention", "topk_mask",
-           "topk_to_mask"]
+           "topk_to_mask", "masked_logit_max"]
 
 Tensor = torch.Tensor
 
@@ -96,10 +96,12 @@ def short_conv(
     return y.to(x.dtype), xp[:, xp.shape[1] - (W - 1):]
 
 
+@fused_on_cuda
 def topk_mask(scores: Tensor, k: int) -> Tensor:
     """Boolean mask of the k largest entries along the last dim. Ties at the k-th value go to the
     lowest indices, exactly the set a stable descending sort keeps, without sorting the row:
-    one top-k for the threshold, then a count of the ties before each position."""
+    one top-k for the threshold, then a count of the ties before each position (on CUDA the
+    comparisons, counts and the scan around the top-k run as one compiled chain)."""
     n = scores.shape[-1]
     if k >= n:
         return torch.ones_like(scores, dtype=torch.bool)
@@ -110,6 +112,17 @@ def topk_mask(scores: Tensor, k: int) -> Tensor:
     ties = scores == threshold
     room = k - above.sum(-1, keepdim=True, dtype=torch.int32)
     return above | (ties & (ties.to(torch.int32).cumsum(-1, dtype=torch.int32) <= room))
+
+
+@fused_on_cuda
+def masked_logit_max(q: Tensor, k: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """Per-head max of scale * q.k over the visible (query, key) pairs: q [B, Tq, H, D],
+    k [B, S, H, D], visible [B, Tq, S] bool. Returns [H] float32, -inf for a head that sees
+    nothing. (The QK-Clip statistic; compiled on CUDA the max reads the logits once, in the
+    GEMM's dtype, instead of materialising a masked float32 copy.)"""
+    logits = torch.einsum("bthd,bshd->bhts", q, k)
+    logits = _up(logits).masked_fill(~visible[:, None], float("-inf")) * scale
+    return logits.amax(dim=(0, 2, 3))
 
 
 def topk_to_mask(indices: Tensor, num_keys: int) -> Tensor:

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from kernels.attention import attention
-from kernels.ops import topk_mask
+from kernels.fusion import fused_on_cuda
+from kernels.ops import masked_logit_max, topk_mask
 
 from ..cache import MLACache
 from ..config import ModelConfig
@@ -48,16 +49,23 @@ class LightningIndexer(nn.Module):
         B, T, _ = x.shape
         # in the model's dtype (bf16 on GPU: tensor cores; DeepSeek-V3.2 runs its indexer in FP8)
         q = self.wq_b(q_in).reshape(B, T, self.n_heads, self.head_dim)
-        w = (self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)).to(q.dtype)
+        w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         kt = keys.to(q.dtype).transpose(1, 2)  # [B, d_I, S]
         out = None
         # a few heads at a time: never hold [B, T, H_I, S] (17 GB for K3.1's 64 heads at 8K)
         for h0 in range(0, self.n_heads, _INDEX_HEAD_CHUNK):
             h1 = min(h0 + _INDEX_HEAD_CHUNK, self.n_heads)
-            dots = torch.relu(torch.einsum("bthd,bds->bths", q[:, :, h0:h1], kt))
-            part = torch.einsum("bth,bths->bts", w[:, :, h0:h1], dots).float()
+            part = _weighted_relu_scores(q[:, :, h0:h1], kt, w[:, :, h0:h1])
             out = part if out is None else out + part
         return out  # [B, T, S]
+
+
+@fused_on_cuda  # on CUDA the ReLU, weighting and head sum read the GEMM's output once
+def _weighted_relu_scores(q: torch.Tensor, kt: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_h w[b, t, h] * ReLU(q[b, t, h] . kt[b, :, s]): q [B, T, h, d], kt [B, d, S], w [B, T, h]
+    float32. Returns [B, T, S] float32."""
+    dots = torch.relu(torch.einsum("bthd,bds->bths", q, kt))
+    return (dots.float() * w[..., None]).sum(2)
 
 
 def _kl_to_indexer(p: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -165,7 +173,7 @@ class MLAMixer(nn.Module):
         y = self.o_proj(o.reshape(B, T, self.H * self.vd))
 
         if self.training:
-            self._track_qk_max(q, k, visible)
+            self._track_qk_max(q, k, visible, past)
         loss = None
         if indexer_loss and idx_scores is not None:
             logits = torch.einsum("bthd,bshd->bhts", q.detach().float(), k.detach().float()) * self.scale
@@ -174,16 +182,17 @@ class MLAMixer(nn.Module):
         return y, (full if use_cache else None), loss
 
     @torch.no_grad()
-    def _track_qk_max(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> None:
+    def _track_qk_max(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, past: int) -> None:
         """QK-Clip statistic: the largest scaled logit per head, a block of queries at a time
         (the fused attention does not expose its logits; a full [B, H, T, S] fp32 copy would cost
-        more memory than the attention itself)."""
+        more memory than the attention itself). A block's queries see no key past the last one's
+        position, so the later keys are left out of its product."""
         T = q.shape[1]
         for t0 in range(0, T, _QK_STAT_CHUNK):
-            qb = q[:, t0:t0 + _QK_STAT_CHUNK]
-            logits = torch.einsum("bthd,bshd->bhts", qb, k).float() * self.scale
-            logits = logits.masked_fill(~visible[:, None, t0:t0 + _QK_STAT_CHUNK], float("-inf"))
-            self.qk_max.copy_(torch.maximum(self.qk_max, logits.amax(dim=(0, 2, 3))))
+            t1 = min(t0 + _QK_STAT_CHUNK, T)
+            horizon = past + t1  # keys beyond it are in the future of every query of the block
+            m = masked_logit_max(q[:, t0:t1], k[:, :horizon], visible[:, t0:t1, :horizon], self.scale)
+            self.qk_max.copy_(torch.maximum(self.qk_max, m))
 
     def _attend_absorbed(self, q: torch.Tensor, full: MLACache, selected: torch.Tensor | None) -> torch.Tensor:
         """Attention with W_UK folded into the query and W_UV applied after: one shared latent

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import l2norm, masked_attention, rms_norm, short_conv, situ_glu, topk_mask, topk_to_mask
+from kernels.ops import (l2norm, masked_attention, masked_logit_max, rms_norm, short_conv, situ_glu, topk_mask,
+                         topk_to_mask)
 
 
 def test_rms_norm_and_l2norm():
@@ -133,3 +134,16 @@ def test_topk_mask_keeps_what_a_stable_sort_keeps(dtype: torch.dtype):
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
         assert torch.equal(topk_mask(scores, k), topk_to_mask(order, 40)), k
     assert topk_mask(scores, 40).all() and topk_mask(scores, 80).all() and not topk_mask(scores, 0).any()
+
+
+def test_masked_logit_max_is_the_largest_visible_scaled_logit_per_head():
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 6, 3, 4, generator=g), torch.randn(2, 9, 3, 4, generator=g)
+    visible = torch.rand(2, 6, 9, generator=g) > 0.6
+    visible[:, :, :] &= torch.tensor([True, True, False])[None, None, :].repeat(1, 1, 3)  # ragged rows
+    out = masked_logit_max(q, k, visible, 0.5)
+    for h in range(3):
+        want = max((0.5 * q[b, t, h] @ k[b, s, h]).item() for b in range(2) for t in range(6) for s in range(9)
+                   if visible[b, t, s])
+        assert abs(out[h].item() - want) < 1e-6
+    assert torch.isneginf(masked_logit_max(q, k, torch.zeros_like(visible), 0.5)).all()

@@ -215,6 +215,25 @@ def test_qk_clip_caps_the_max_logit():
     torch.testing.assert_close(after[small], before[small])
 
 
+def test_qk_max_statistic_in_query_blocks_equals_one_block(monkeypatch):
+    """Query blocks skip the keys in their future (past the block's last position, after a
+    cache); the statistic must not change."""
+    from policy.layers import mla
+
+    torch.manual_seed(1)
+    layer = MLAMixer(tiny(q_lora_rank=12), 0).train()
+    prefix, x = torch.randn(2, 5, 32), torch.randn(2, 3, 32)
+
+    def stat(block: int) -> torch.Tensor:
+        monkeypatch.setattr(mla, "_QK_STAT_CHUNK", block)
+        _, cache, _ = layer(prefix, use_cache=True)
+        layer.qk_max.fill_(float("-inf"))
+        layer(x, cache=cache)
+        return layer.qk_max.clone()
+
+    torch.testing.assert_close(stat(2), stat(10_000), rtol=1e-6, atol=1e-6)
+
+
 def test_bad_config_values_fail_with_one_line_messages():
     for kw, field in [(dict(hidden_size=0), "hidden_size"), (dict(num_experts_per_token=9), "num_experts_per_token"),
                       (dict(kda_gate="exp"), "kda_gate"), (dict(layer_types=["kda"] * 3), "layer_types"),
