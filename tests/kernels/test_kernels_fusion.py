@@ -9,7 +9,7 @@ import torch
 
 from kernels.fusion import fused_on_cuda, set_fusion
 from kernels.kda import kda_gate
-from kernels.ops import gated_rms_norm, l2norm, masked_logit_max, rms_norm, situ_glu, topk_mask
+from kernels.ops import _causal_depthwise, gated_rms_norm, l2norm, masked_logit_max, rms_norm, situ_glu, topk_mask
 from policy.layers.attnres import _mix_stacked as attn_res_mix_stacked
 from policy.layers.mla import _weighted_relu_scores
 
@@ -27,6 +27,7 @@ def _cases():
                         torch.randn(1, 32, generator=g), 1e-6)),
         (topk_mask, (torch.randn(2, 5, 40, generator=g).round(), 7)),  # rounded: many ties
         (masked_logit_max, (x, gate, torch.rand(2, 5, 5, generator=g) > 0.5, 0.3)),
+        (_causal_depthwise, (x.reshape(2, 5, 32), torch.randn(32, 3, generator=g), torch.randn(32, generator=g), True)),
         (_weighted_relu_scores, (x, torch.randn(2, 8, 6, generator=g), torch.randn(2, 5, 4, generator=g))),
     ]
 
