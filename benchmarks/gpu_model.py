@@ -157,23 +157,34 @@ def model_step(seq: int, batch: int, configs: list[str], warmup: int, iters: int
     RESULTS[f"small_B{batch}_T{seq}"] = res
 
 
-def kernel_profile(step: Callable[[], None], top: int = 25) -> list[dict[str, Any]]:
-    """GPU time per kernel over one step, largest first (where the remaining time goes)."""
+def kernel_profile(step: Callable[[], None], top: int = 25) -> dict[str, list[dict[str, Any]]]:
+    """GPU time over one step, largest first: per kernel, and per PyTorch op with its input
+    shapes (which call launched the copies and elementwise kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
-    rows = []
-    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
-    total = sum(e.device_time_total for e in events) or 1.0
-    for e in events[:top]:
-        rows.append({"kernel": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2),
-                     "pct": round(100 * e.device_time_total / total, 1)})
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in kernels) or 1.0
     log(f"kernel time over one step: {total / 1e3:.1f} ms in all")
-    for r in rows:
+    out: dict[str, list[dict[str, Any]]] = {"kernels": [], "ops": []}
+    for e in kernels[:top]:
+        out["kernels"].append({"kernel": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2),
+                               "pct": round(100 * e.device_time_total / total, 1)})
+        r = out["kernels"][-1]
         log(f"  {r['pct']:5.1f}%  {r['ms']:8.2f} ms  x{r['calls']:<5} {r['kernel']}")
-    return rows
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
+    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    log("by op and input shapes (self GPU time):")
+    for e in ops[:top]:
+        out["ops"].append({"op": e.key, "shapes": str(e.input_shapes)[:120], "calls": e.count,
+                           "ms": round(e.self_device_time_total / 1e3, 2)})
+        r = out["ops"][-1]
+        log(f"  {r['ms']:8.2f} ms  x{r['calls']:<5} {r['op']} {r['shapes']}")
+    return out
 
 
 def main() -> None:

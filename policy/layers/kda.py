@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.kda import kda, kda_gate
@@ -80,7 +81,13 @@ class KDAMixer(nn.Module):
     def forward(self, x: torch.Tensor, cache: KDACache | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, KDACache | None]:
         B, T, _ = x.shape
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        # every projection that reads x as one GEMM: one pass over x, and q|k|v come out side by
+        # side for the short conv without a concatenation
+        first = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                 self.g_proj if self.full_rank_gate else self.g_a_proj]
+        sizes = [p.out_features for p in first]
+        proj = F.linear(x, torch.cat([p.weight for p in first]))
+        qkv, f_a, b, g_in = proj.split([sum(sizes[:3])] + sizes[3:], dim=-1)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         window = None if cache is None else cache.conv
         qkv, new_window = short_conv(qkv, weight, window=window)
@@ -89,14 +96,14 @@ class KDAMixer(nn.Module):
         k = qkv[..., qk:2 * qk].reshape(B, T, self.H, self.K)
         v = qkv[..., 2 * qk:].reshape(B, T, self.HV, self.V)
         q, k = l2norm(q), l2norm(k)  # the kernel uses q, k as given
-        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, self.HV, self.K)  # explicit heads: no shape guessing
+        f = self.f_b_proj(f_a).reshape(B, T, self.HV, self.K)  # explicit heads: no shape guessing
         g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(b.float())
         if self.neg_eigval:
             beta = 2.0 * beta  # eigenvalues of (I - beta k k^T) in [-1, 1]
         state = None if cache is None else cache.state
         o, final = kda(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)
         o = self.o_norm(o, gate.reshape(B, T, self.HV, self.V)).reshape(B, T, self.HV * self.V)
         new_cache = KDACache(final, new_window) if use_cache else None
         return self.o_proj(o), new_cache
