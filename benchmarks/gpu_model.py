@@ -165,7 +165,9 @@ def kernel_profile(step: Callable[[], None], top: int = 25) -> dict[str, list[di
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # "## Call CompiledFxGraph ##" ranges wrap compiled kernels that are listed on their own
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("## ")]
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in kernels) or 1.0
     log(f"kernel time over one step: {total / 1e3:.1f} ms in all")
@@ -176,7 +178,8 @@ def kernel_profile(step: Callable[[], None], top: int = 25) -> dict[str, list[di
         r = out["kernels"][-1]
         log(f"  {r['pct']:5.1f}%  {r['ms']:8.2f} ms  x{r['calls']:<5} {r['kernel']}")
     ops = [e for e in prof.key_averages(group_by_input_shape=True)
-           if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
+           if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0
+           and not e.key.startswith("## ")]
     ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
     log("by op and input shapes (self GPU time):")
     for e in ops[:top]:

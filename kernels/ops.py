@@ -88,24 +88,26 @@ def short_conv(
         raise ValueError(f"short_conv: window must be [B, W-1, D] = {(B, W - 1, D)}, got {tuple(window.shape)}")
     if activation not in (None, "silu"):
         raise ValueError(f"short_conv: activation must be 'silu' or None, got {activation!r}")
-    xp = torch.cat((window.to(x.dtype), x), dim=1)  # [B, W-1+T, D]
-    return _causal_depthwise(xp, w, bias, activation == "silu"), xp[:, xp.shape[1] - (W - 1):]
+    window = window.to(x.dtype)
+    y = _causal_depthwise(x, window, w, bias, activation == "silu")
+    return y, torch.cat((window, x[:, -(W - 1):]), dim=1)[:, -(W - 1):]  # small: holds no view of x
 
 
 @fused_on_cuda
-def _causal_depthwise(xp: Tensor, w: Tensor, bias: Tensor | None, silu: bool) -> Tensor:
-    """y[:, t] = sum_j xp[:, t + j] * w[:, j] (+ bias, then SiLU), in fp32, in xp's dtype. Written
-    as W shifted products rather than a conv so that on CUDA the casts, taps and SiLU compile to
-    one kernel each way (W is 4)."""
+def _causal_depthwise(x: Tensor, window: Tensor, w: Tensor, bias: Tensor | None, silu: bool) -> Tensor:
+    """y[:, t] = sum_j xp[:, t + j] * w[:, j] (+ bias, then SiLU) with xp = cat(window, x), in
+    fp32, in x's dtype. Written as W shifted products rather than a conv so that on CUDA the
+    concatenation, casts, taps and SiLU compile to one kernel each way (W is 4)."""
     W = w.shape[1]
-    T = xp.shape[1] - W + 1
+    T = x.shape[1]
+    xp = torch.cat((window, x), dim=1)  # [B, W-1+T, D]
     wf = _up(w)
     y = sum(_up(xp[:, j:j + T]) * wf[:, j] for j in range(W))
     if bias is not None:
         y = y + _up(bias)
     if silu:
         y = F.silu(y)
-    return y.to(xp.dtype)
+    return y.to(x.dtype)
 
 
 @fused_on_cuda
@@ -134,7 +136,7 @@ def masked_logit_max(q: Tensor, k: Tensor, visible: Tensor, scale: float) -> Ten
     GEMM's dtype, instead of materialising a masked float32 copy.)"""
     logits = torch.einsum("bthd,bshd->bhts", q, k)
     logits = _up(logits).masked_fill(~visible[:, None], float("-inf")) * scale
-    return logits.amax(dim=(0, 2, 3))
+    return logits.amax(-1).amax(dim=(0, 2))  # rows first: a reduction to H values in one go parallelises badly
 
 
 def topk_to_mask(indices: Tensor, num_keys: int) -> Tensor:

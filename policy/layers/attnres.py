@@ -20,16 +20,15 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, query: 
     """sources: N tensors [B, T, d]; norm_weight: [d]; query: [1, d] or [d]. Returns [B, T, d]."""
     if not sources:
         raise ValueError("attn_res_mix: need at least one source")
-    return _mix_stacked(torch.stack(sources, dim=0), norm_weight, query, eps)
+    return _mix(*sources, norm_weight=norm_weight, query=query, eps=eps)
 
 
-@fused_on_cuda  # one compiled kernel for any number of sources (N is a dynamic size)
-def _mix_stacked(v: torch.Tensor, norm_weight: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
-    vf = v.float()  # [N, B, T, d]
-    keys = rms_norm(vf, norm_weight, eps)
-    logits = keys @ query.float().reshape(-1)  # [N, B, T]
+@fused_on_cuda  # one compiled kernel per number of sources; the sources are never stacked into a copy
+def _mix(*sources: torch.Tensor, norm_weight: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
+    q = query.float().reshape(-1)
+    logits = torch.stack([rms_norm(v.float(), norm_weight, eps) @ q for v in sources])  # [N, B, T]
     w = torch.softmax(logits, dim=0)
-    return (w.unsqueeze(-1) * vf).sum(0).to(v.dtype)
+    return sum(w[i].unsqueeze(-1) * v.float() for i, v in enumerate(sources)).to(sources[0].dtype)
 
 
 class AttnRes(nn.Module):

@@ -64,8 +64,8 @@ class LightningIndexer(nn.Module):
 def _weighted_relu_scores(q: torch.Tensor, kt: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """sum_h w[b, t, h] * ReLU(q[b, t, h] . kt[b, :, s]): q [B, T, h, d], kt [B, d, S], w [B, T, h]
     float32. Returns [B, T, S] float32."""
-    dots = torch.relu(torch.einsum("bthd,bds->bths", q, kt))
-    return (dots.float() * w[..., None]).sum(2)
+    dots = torch.relu(torch.einsum("bthd,bds->bhts", q, kt))  # head-major: the sum is over whole planes
+    return (dots.float() * w.transpose(1, 2)[..., None]).sum(1)
 
 
 def _kl_to_indexer(p: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from kernels.fusion import fused_on_cuda, set_fusion
 from kernels.kda import kda_gate
 from kernels.ops import _causal_depthwise, gated_rms_norm, l2norm, masked_logit_max, rms_norm, situ_glu, topk_mask
-from policy.layers.attnres import _mix_stacked as attn_res_mix_stacked
+from policy.layers.attnres import _mix as attn_res_mix
 from policy.layers.mla import _weighted_relu_scores
 
 
@@ -23,20 +23,22 @@ def _cases():
         (gated_rms_norm, (x, gate, w, 1e-6)),
         (kda_gate, (x, torch.randn(4, generator=g), torch.randn(32, generator=g), -5.0)),
         (kda_gate, (x, torch.randn(4, generator=g), torch.randn(32, generator=g), None)),
-        (attn_res_mix_stacked, (torch.stack([x.reshape(2, 5, 32), gate.reshape(2, 5, 32)]), torch.randn(32, generator=g),
-                        torch.randn(1, 32, generator=g), 1e-6)),
+        (attn_res_mix, (x.reshape(2, 5, 32), gate.reshape(2, 5, 32)),
+         dict(norm_weight=torch.randn(32, generator=g), query=torch.randn(1, 32, generator=g), eps=1e-6)),
         (topk_mask, (torch.randn(2, 5, 40, generator=g).round(), 7)),  # rounded: many ties
         (masked_logit_max, (x, gate, torch.rand(2, 5, 5, generator=g) > 0.5, 0.3)),
-        (_causal_depthwise, (x.reshape(2, 5, 32), torch.randn(32, 3, generator=g), torch.randn(32, generator=g), True)),
+        (_causal_depthwise, (x.reshape(2, 5, 32), torch.randn(2, 2, 32, generator=g), torch.randn(32, 3, generator=g),
+                            torch.randn(32, generator=g), True)),
         (_weighted_relu_scores, (x, torch.randn(2, 8, 6, generator=g), torch.randn(2, 5, 4, generator=g))),
     ]
 
 
 @pytest.mark.parametrize("case", range(len(_cases())))
 def test_compiled_op_equals_reference(case: int):
-    fn, args = _cases()[case]
+    fn, args, *kwargs = _cases()[case]
+    kw = kwargs[0] if kwargs else {}
     compiled = torch.compile(fn.__wrapped__, dynamic=True, fullgraph=True)
-    torch.testing.assert_close(compiled(*args), fn(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled(*args, **kw), fn(*args, **kw), atol=1e-5, rtol=1e-5)
 
 
 def test_dispatch_keeps_cpu_on_the_reference_and_can_be_switched_off():
