@@ -166,7 +166,9 @@ class MLAMixer(nn.Module):
         if absorb:
             o = self._attend_absorbed(q, full, selected)
         else:
-            o = attention(q, k, v, scale=self.scale, causal=True, key_mask=full.valid,
+            # a fresh cache holds only this call's tokens, all real: no key mask, so the plain causal
+            # case reaches the flash kernel without checking the mask on the host (a sync)
+            o = attention(q, k, v, scale=self.scale, causal=True, key_mask=None if past == 0 else full.valid,
                           mask=selected, sink=self.sinks)  # [B, T, H, vd]
         if self.output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float()).reshape(B, T, self.H, self.vd).to(o.dtype)

@@ -75,7 +75,7 @@ class StackedExperts(nn.Module):
         flat_e = idx.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
         tok = order // k
-        counts = torch.bincount(flat_e, minlength=self.w1.shape[0])
+        counts = expert_counts(flat_e, self.w1.shape[0])
         zs = z[tok]
         if _grouped_mm_usable(zs, self.w1):
             offs = counts.cumsum(0).to(torch.int32)
@@ -93,6 +93,13 @@ class StackedExperts(nn.Module):
             out = torch.cat(parts) if parts else zs.new_zeros(0, self.w2.shape[1])
         weighted = out.float() * w.reshape(-1)[order, None]
         return torch.zeros(n_tok, out.shape[-1], device=z.device, dtype=torch.float32).index_add_(0, tok, weighted)
+
+
+def expert_counts(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens per expert. Not torch.bincount: on CUDA it reads the largest id back to the host,
+    a sync that stalls the launch queue at every MoE layer."""
+    counts = torch.zeros(n_experts, dtype=torch.long, device=expert_ids.device)
+    return counts.index_add_(0, expert_ids, torch.ones_like(expert_ids))
 
 
 def _grouped_mm_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -139,7 +146,7 @@ class LatentMoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, scores: torch.Tensor, idx: torch.Tensor) -> None:
-        self.load += torch.bincount(idx.reshape(-1), minlength=self.n_experts).to(self.load.dtype)
+        self.load += expert_counts(idx.reshape(-1), self.n_experts).to(self.load.dtype)
         if self.balance == "quantile" and scores.shape[0] > 0:
             n_tok = scores.shape[0]
             biased = scores + self.gate.e_score_correction_bias

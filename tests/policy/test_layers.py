@@ -263,3 +263,11 @@ def test_lightning_indexer_formula():
             for s in range(5):
                 ref[b, t, s] = sum(w[b, t, j] * torch.relu(q[b, t, j] @ k[b, s]) for j in range(11))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_counts_equal_bincount():
+    from policy.layers.moe import expert_counts
+
+    ids = torch.tensor([3, 0, 3, 5, 3, 0])
+    assert torch.equal(expert_counts(ids, 7), torch.bincount(ids, minlength=7))
+    assert torch.equal(expert_counts(ids[:0], 4), torch.zeros(4, dtype=torch.long))
