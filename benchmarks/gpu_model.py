@@ -116,12 +116,12 @@ def check_fast_paths() -> None:
     log(f"fast-path agreement (relative error vs reference, bf16): {json.dumps(out)}")
 
 
-def model_step(seq: int, batch: int, configs: list[str], warmup: int, iters: int, profile: bool) -> None:
+def model_step(cfg: Any, seq: int, batch: int, configs: list[str], warmup: int, iters: int, profile: bool) -> None:
     from policy import build_model
     from policy.params import count_parameters
 
     torch.manual_seed(0)
-    model = build_model("small", device="cuda", dtype=torch.bfloat16)
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16)
     counts = count_parameters(model)
     ids = torch.randint(3, model.config.vocab_size, (batch, seq + 1), device="cuda")
     x, y = ids[:, :-1], ids[:, 1:]
@@ -154,7 +154,7 @@ def model_step(seq: int, batch: int, configs: list[str], warmup: int, iters: int
     timed = {n: r["fwd_bwd_ms"] for n, r in res.items() if isinstance(r, dict) and "fwd_bwd_ms" in r}
     if "fast" in timed:
         res["speedup_fast_vs"] = {n: round(ms / timed["fast"], 2) for n, ms in timed.items() if n != "fast"}
-    RESULTS[f"small_B{batch}_T{seq}"] = res
+    RESULTS[f"{cfg.name}_B{batch}_T{seq}"] = res
 
 
 def kernel_profile(step: Callable[[], None], top: int = 25) -> dict[str, list[dict[str, Any]]]:
@@ -192,6 +192,9 @@ def kernel_profile(step: Callable[[], None], top: int = 25) -> dict[str, list[di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", help="the model timed (the agreement checks always use small)")
+    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON",
+                   help='config overrides, e.g. num_hidden_layers=4 \'layer_types=["kda","mla"]\'')
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--configs", nargs="+", default=["fast", "unfused", "reference"], choices=["fast", "unfused", "reference"])
@@ -202,6 +205,13 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     import triton
+
+    from policy import get_config
+
+    overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in a.set)}
+    cfg = get_config(a.preset, **overrides)
+    if overrides:
+        cfg = cfg.replace(name=f"{cfg.name}+{'+'.join(f'{k}={v}' for k, v in overrides.items() if k != 'layer_types')}")
 
     from kernels.kda import fla_available
 
@@ -218,7 +228,7 @@ def main() -> None:
         check_fast_paths()
         save()
     for i, b in enumerate(a.batch):
-        model_step(a.seq, b, a.configs, a.warmup, a.iters, profile=not a.no_profile and i == 0)
+        model_step(cfg, a.seq, b, a.configs, a.warmup, a.iters, profile=not a.no_profile and i == 0)
         torch.cuda.empty_cache()
         save()
 
