@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from kernels.logprobs import linear_token_logprobs
 
 from .cache import ModelCache
 from .config import ModelConfig, get_config
@@ -24,10 +27,26 @@ from .layers.norms import RMSNorm
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, vocab] float32
+    logits: torch.Tensor | None  # [B, T, vocab] float32 (float64 for a float64 model); None with token logprobs
     cache: ModelCache | None = None
     routing: torch.Tensor | None = None  # [B, T, n_moe_layers, top_k] long
     indexer_loss: torch.Tensor | None = None  # DSA indexer KL (when requested)
+    token_logprobs: torch.Tensor | None = None  # [B, T] log p(input_ids[:, t] | < t); 0 at t = 0
+    token_entropy: torch.Tensor | None = None  # [B, T] entropy of that prediction (no grad); 0 at t = 0
+
+
+class LMHead(nn.Linear):
+    """The untied output projection (`lm_head.weight`). Called with targets it returns their
+    log-probabilities and the entropies without building the logits (kernels/logprobs.py);
+    a call, not a weight read from outside, so a sharded engine gathers the weight for it."""
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None,
+                scale: float = 1.0) -> Any:
+        if targets is None:
+            logits = super().forward(h)
+            logits = logits if logits.dtype == torch.float64 else logits.float()
+            return logits if scale == 1.0 else logits * scale
+        return linear_token_logprobs(h, self.weight, targets, scale)
 
 
 class DecoderLayer(nn.Module):
@@ -83,7 +102,7 @@ class HybridForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = HybridModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # untied
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)  # untied
         self.moe_layer_ids = cfg.moe_layers
         self.init_weights()
 
@@ -112,10 +131,16 @@ class HybridForCausalLM(nn.Module):
     # ---- forward -------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None, use_cache: bool = False,
                 routing: torch.Tensor | None = None, return_routing: bool = False,
-                return_indexer_loss: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
-        """Logits [B, T, vocab] float32 (only the last `logits_to_keep` positions when > 0: a
-        prefill with a 160K vocab needs just the last row). See docs/architecture.md."""
+                return_indexer_loss: bool = False, logits_to_keep: int = 0, return_token_logprobs: bool = False,
+                logit_scale: float = 1.0) -> CausalLMOutput:
+        """Logits [B, T, vocab] float32, times `logit_scale` (1 / sampling temperature); only the
+        last `logits_to_keep` positions when > 0: a prefill with a 160K vocab needs just the last
+        row. `return_token_logprobs`: instead of logits, the log-probability and entropy of each
+        input token's prediction, computed blockwise from the hidden states (what a learner
+        needs, at a fraction of the memory). See docs/architecture.md."""
         cfg = self.config
+        if return_token_logprobs and logits_to_keep:
+            raise ValueError("forward: return_token_logprobs and logits_to_keep cannot be combined")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"forward: input_ids must be a LongTensor [B, T], got {shape}")
@@ -156,7 +181,13 @@ class HybridForCausalLM(nn.Module):
         h = stream.output(self.model)
         if logits_to_keep > 0:
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(self.model.norm(h).to(dt)).float()
+        h = self.model.norm(h).to(dt)
+        logits = token_logp = token_entropy = None
+        if return_token_logprobs:
+            logp, ent = self.lm_head(h[:, :-1].reshape(-1, h.shape[-1]), input_ids[:, 1:].reshape(-1), logit_scale)
+            token_logp, token_entropy = (F.pad(x.reshape(B, T - 1), (1, 0)) for x in (logp, ent))
+        else:
+            logits = self.lm_head(h, scale=logit_scale)
 
         out_cache = None
         if use_cache:
@@ -167,7 +198,7 @@ class HybridForCausalLM(nn.Module):
             out_routing = (torch.stack(chosen, dim=2) if chosen
                            else torch.zeros(B, T, 0, k, dtype=torch.long, device=input_ids.device))
         idx_loss = torch.stack(idx_losses).mean() if idx_losses else None
-        return CausalLMOutput(logits, out_cache, out_routing, idx_loss)
+        return CausalLMOutput(logits, out_cache, out_routing, idx_loss, token_logp, token_entropy)
 
     # ---- training hooks ------------------------------------------------------------------
     @torch.no_grad()

@@ -162,16 +162,15 @@ def accumulate_policy_gradient(
     normaliser = loss_normaliser(batch, cfg)
     totals: dict[str, float] = defaultdict(float)
     for micro in split_micro_batches(batch, micro_batches):
-        out = model(micro.input_ids, routing=micro.routing)
-        logp = token_logprobs(out.logits, micro.input_ids)
+        # token logprobs straight from the hidden states: the [tokens, vocab] logits never exist
+        out = model(micro.input_ids, routing=micro.routing, return_token_logprobs=True)
+        logp = out.token_logprobs
         losses, stats = grpo_token_losses(logp, micro, cfg)
         mask = micro.loss_mask
         loss = (losses * mask).sum() / normaliser
         backward(loss)
         totals["loss"] += float(loss.detach())
-        with torch.no_grad():
-            probs_entropy = entropy_from_logits(out.logits[:, :-1])
-            totals["entropy"] += float((F.pad(probs_entropy, (1, 0)) * mask).sum())
+        totals["entropy"] += float((out.token_entropy * mask).sum())
         for name, value in stats.items():
             totals[name] += float((value * mask).sum())
     tokens = float(batch.loss_mask.sum())
@@ -180,8 +179,3 @@ def accumulate_policy_gradient(
         metrics[name] = value / max(tokens, 1.0)
     metrics["tokens"] = tokens
     return metrics
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rl.grpo import LossConfig, accumulate_policy_gradient, collate, compute_advantages, token_logprobs
+from rl.grpo import LossConfig, accumulate_policy_gradient, collate, compute_advantages
 from rl.types import Sample
 
 
@@ -115,7 +115,7 @@ class Learner:
         loss_total, done = 0.0, 0
         bounds = np.linspace(0, len(ids), min(self.cfg["micro_batches"], len(ids)) + 1).astype(int)
         for a, b in zip(bounds[:-1], bounds[1:]):
-            logp = token_logprobs(self.engine(ids[a:b]).logits, ids[a:b])
+            logp = self.engine(ids[a:b], return_token_logprobs=True).token_logprobs
             loss = -(logp * mask[a:b]).sum() / total_tokens
             self._micro_backward(loss)
             loss_total += float(loss.detach())
@@ -147,8 +147,8 @@ class Learner:
         if self.reference is not None:
             with torch.no_grad():
                 ref = _TemperatureScaled(self.reference, self.temperature)
-                batch.ref_logprobs = token_logprobs(ref(batch.input_ids, routing=batch.routing).logits,
-                                                    batch.input_ids)
+                out = ref(batch.input_ids, routing=batch.routing, return_token_logprobs=True)
+                batch.ref_logprobs = out.token_logprobs
         done = {"n": 0}
 
         def backward(loss: torch.Tensor) -> None:
@@ -187,8 +187,5 @@ class _TemperatureScaled(torch.nn.Module):
         self.engine = engine
         self.temperature = temperature
 
-    def forward(self, input_ids, routing=None):
-        out = self.engine(input_ids, routing=routing)
-        if self.temperature != 1.0:
-            out.logits = out.logits / self.temperature
-        return out
+    def forward(self, input_ids, **kwargs):
+        return self.engine(input_ids, logit_scale=1.0 / self.temperature, **kwargs)

@@ -195,3 +195,23 @@ def test_fused_attention_path_matches_reference_in_decode_and_training(model):
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-4, rtol=1e-3, msg=n)
+
+
+def test_token_logprobs_from_hidden_states_equal_the_logits_path():
+    """return_token_logprobs (blockwise head + log-softmax, no logits) gives the same values,
+    entropies and gradients as log_softmax over the full logits, at a sampling temperature."""
+    torch.manual_seed(0)
+    m = build_model(tiny(), dtype=torch.float64).train()
+    ids = torch.randint(3, m.config.vocab_size, (2, 9))
+    out = m(ids, return_token_logprobs=True, logit_scale=1 / 0.7)
+    assert out.logits is None and out.token_logprobs.shape == out.token_entropy.shape == (2, 9)
+    ref = torch.log_softmax(m(ids, logit_scale=1 / 0.7).logits[:, :-1], -1)
+    want = torch.nn.functional.pad(ref.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    torch.testing.assert_close(out.token_logprobs, want, rtol=1e-10, atol=1e-12)
+    want_ent = torch.nn.functional.pad(-(ref.exp() * ref).sum(-1), (1, 0))
+    torch.testing.assert_close(out.token_entropy, want_ent.detach(), rtol=1e-10, atol=1e-12)
+    head = m.lm_head.weight
+    got = torch.autograd.grad(out.token_logprobs.sum(), head)[0]
+    assert torch.allclose(got, torch.autograd.grad(want.sum(), head)[0], rtol=1e-8, atol=1e-10)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        m(ids, return_token_logprobs=True, logits_to_keep=1)

@@ -1,0 +1,64 @@
+"""linear_token_logprobs: the blockwise head + log-softmax equals the full-logits computation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.logprobs import linear_token_logprobs
+
+
+def _reference(h, w, t, scale):
+    logp = torch.log_softmax((h @ w.t()).double() * scale, dim=-1)
+    return logp.gather(1, t[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("block_rows", [1, 3, 7, None])
+def test_values_entropy_and_gradients_equal_full_logits(block_rows):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(7, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(11, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 11, (7,), generator=g)
+    logp, ent = linear_token_logprobs(h, w, t, scale=0.7, block_rows=block_rows)
+    ref_logp, ref_ent = _reference(h, w, t, 0.7)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, ref_ent.detach(), rtol=1e-12, atol=1e-12)
+    assert not ent.requires_grad
+    upstream = torch.randn(7, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(logp, (h, w), upstream)
+    want = torch.autograd.grad(ref_logp, (h, w), upstream)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(4, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(6, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.tensor([0, 5, 2, 2])
+    assert torch.autograd.gradcheck(lambda a, b: linear_token_logprobs(a, b, t, 1.3, block_rows=3)[0], (h, w))
+
+
+def test_bfloat16_matches_the_full_logits_path():
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(20, 16, generator=g).bfloat16().requires_grad_(True)
+    w = (0.3 * torch.randn(50, 16, generator=g)).bfloat16().requires_grad_(True)
+    t = torch.randint(0, 50, (20,), generator=g)
+    logp, _ = linear_token_logprobs(h, w, t, block_rows=6)
+    full = torch.log_softmax((h @ w.t()).float(), -1).gather(1, t[:, None]).squeeze(1)
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, full, rtol=1e-4, atol=1e-4)
+    dh, dw = torch.autograd.grad(logp.sum(), (h, w))
+    rh, rw = torch.autograd.grad(full.sum(), (h, w))
+    assert dh.dtype == dw.dtype == torch.bfloat16
+    torch.testing.assert_close(dh.float(), rh.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dw.float(), rw.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_bad_shapes_fail_with_one_line_messages():
+    h, w = torch.randn(3, 4), torch.randn(9, 4)
+    for args, what in [((h, torch.randn(9, 5), torch.zeros(3, dtype=torch.long)), "weight"),
+                       ((h, w, torch.zeros(4, dtype=torch.long)), "targets"),
+                       ((h, w, torch.zeros(3)), "targets")]:
+        with pytest.raises(ValueError, match=what) as e:
+            linear_token_logprobs(*args)
+        assert "\n" not in str(e.value)
