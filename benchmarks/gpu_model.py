@@ -116,7 +116,8 @@ def check_fast_paths() -> None:
     log(f"fast-path agreement (relative error vs reference, bf16): {json.dumps(out)}")
 
 
-def model_step(cfg: Any, seq: int, batch: int, configs: list[str], warmup: int, iters: int, profile: bool) -> None:
+def model_step(cfg: Any, seq: int, batch: int, configs: list[str], warmup: int, iters: int, profile: bool,
+               loss: str = "logits") -> None:
     from policy import build_model
     from policy.params import count_parameters
 
@@ -128,11 +129,14 @@ def model_step(cfg: Any, seq: int, batch: int, configs: list[str], warmup: int, 
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
+        if loss == "logprobs":  # the learner's path: token logprobs from the hidden states, no logits
+            (-model(x, return_token_logprobs=True).token_logprobs[:, 1:].mean()).backward()
+            return
         logits = model(x).logits
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).backward()
 
     tokens = batch * seq
-    res: dict[str, Any] = {"params": counts, "batch": batch, "seq": seq}
+    res: dict[str, Any] = {"params": counts, "batch": batch, "seq": seq, "loss": loss}
     for name in configs:
         with paths(name):
             log(f"B={batch} T={seq} [{name}]: warm-up")
@@ -197,6 +201,8 @@ def main() -> None:
                    help='config overrides, e.g. num_hidden_layers=4 \'layer_types=["kda","mla"]\'')
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--loss", choices=["logits", "logprobs"], default="logits",
+                   help="logits: fp32 logits + cross-entropy; logprobs: the learner's blockwise token logprobs")
     p.add_argument("--configs", nargs="+", default=["fast", "unfused", "reference"], choices=["fast", "unfused", "reference"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=6)
@@ -228,7 +234,7 @@ def main() -> None:
         check_fast_paths()
         save()
     for i, b in enumerate(a.batch):
-        model_step(cfg, a.seq, b, a.configs, a.warmup, a.iters, profile=not a.no_profile and i == 0)
+        model_step(cfg, a.seq, b, a.configs, a.warmup, a.iters, profile=not a.no_profile and i == 0, loss=a.loss)
         torch.cuda.empty_cache()
         save()
 
