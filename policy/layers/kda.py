@@ -21,6 +21,10 @@ from ._ops import l2norm, short_conv
 from .norms import GatedRMSNorm
 
 
+# below this many rows (B*T) the projections run one GEMM each (see KDAMixer._project)
+_ONE_GEMM_MIN_ROWS = 256
+
+
 class ConvWeight(nn.Module):
     """Holds a depthwise conv kernel under the checkpoint name `<x>_conv1d.weight`."""
 
@@ -78,16 +82,24 @@ class KDAMixer(nn.Module):
         return KDACache(torch.zeros(batch, self.HV, self.K, self.V, device=device, dtype=torch.float32),
                         torch.zeros(batch, self.W - 1, self.conv_channels(), device=device, dtype=dtype))
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The projections that read x: (q|k|v side by side, f_a, b, output gate input). Over many
+        rows as one GEMM on the concatenated weights (one pass over x, no concatenation of q, k, v
+        for the short conv); over a few rows (decoding) one GEMM each, since there copying the
+        weights would cost more than the products."""
+        first = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                 self.g_proj if self.full_rank_gate else self.g_a_proj]
+        if x.shape[0] * x.shape[1] < _ONE_GEMM_MIN_ROWS:
+            outs = [p(x) for p in first]
+            return (torch.cat(outs[:3], dim=-1), *outs[3:])
+        sizes = [p.out_features for p in first]
+        proj = F.linear(x, torch.cat([p.weight for p in first]))
+        return tuple(proj.split([sum(sizes[:3])] + sizes[3:], dim=-1))
+
     def forward(self, x: torch.Tensor, cache: KDACache | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, KDACache | None]:
         B, T, _ = x.shape
-        # every projection that reads x as one GEMM: one pass over x, and q|k|v come out side by
-        # side for the short conv without a concatenation
-        first = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
-                 self.g_proj if self.full_rank_gate else self.g_a_proj]
-        sizes = [p.out_features for p in first]
-        proj = F.linear(x, torch.cat([p.weight for p in first]))
-        qkv, f_a, b, g_in = proj.split([sum(sizes[:3])] + sizes[3:], dim=-1)
+        qkv, f_a, b, g_in = self._project(x)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         window = None if cache is None else cache.conv
         qkv, new_window = short_conv(qkv, weight, window=window)

@@ -38,6 +38,24 @@ def test_kda_decode_matches_full(kw):
     assert cache.state.dtype == torch.float32 and cache.conv.shape == (2, 3, layer.conv_channels())
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(use_full_rank_gate=False)])
+def test_kda_projections_as_one_gemm_equal_one_gemm_each(kw, monkeypatch):
+    """Many rows take one GEMM over the concatenated weights, decoding one GEMM each: same layer."""
+    from policy.layers import kda
+
+    torch.manual_seed(0)
+    layer = KDAMixer(tiny(**kw), 0)
+    x = torch.randn(2, 13, 32, requires_grad=True)
+    results = []
+    for threshold in (0, 10_000):
+        monkeypatch.setattr(kda, "_ONE_GEMM_MIN_ROWS", threshold)
+        layer.zero_grad()
+        y, _ = layer(x)
+        results.append((y, *torch.autograd.grad(y.sum(), [x, layer.q_proj.weight, layer.b_proj.weight])))
+    for one, each in zip(*results):
+        torch.testing.assert_close(one, each, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind,kw", [
     ("mla", dict(q_lora_rank=None, mla_use_output_gate=False)),  # Kimi Linear form
     ("mla", dict(q_lora_rank=12, attention_sink=True)),  # gated, q low rank, sink
