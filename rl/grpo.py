@@ -9,7 +9,6 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from rl.types import Sample
 
@@ -92,13 +91,6 @@ def collate(samples: Sequence[Sample], advantages: np.ndarray, pad_id: int) -> T
             routing[i, : s.routing.shape[0]] = torch.from_numpy(s.routing.astype(np.int64))
     loss_mask[:, 0] = 0  # the first token has no prediction
     return TrainBatch(input_ids, loss_mask, behavior, torch.as_tensor(advantages, dtype=torch.float32), routing)
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """logprob of each token under the prediction from the previous position, [B, T] (position 0 is 0)."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return F.pad(picked, (1, 0))
 
 
 def grpo_token_losses(

@@ -3,7 +3,6 @@ full forward of the finished sequence computes (so the learner's ratio starts at
 import torch
 
 from policy import build_model
-from rl.grpo import token_logprobs
 from rl.rollout.engine import TorchEngine, sample_token
 
 
@@ -23,7 +22,7 @@ def test_recorded_logprobs_and_routing_match_a_full_forward():
         ids = torch.tensor([row.tokens])
         routing = torch.from_numpy(engine.routing_array(i, len(row.tokens)).astype("int64"))[None]
         with torch.no_grad():
-            full = token_logprobs(model(ids, routing=routing).logits, ids)[0]
+            full = model(ids, routing=routing, return_token_logprobs=True).token_logprobs[0]  # the learner's path
             free = model(ids, return_routing=True)
         mask = torch.tensor(row.loss_mask, dtype=torch.bool)
         assert mask.sum() > 0
