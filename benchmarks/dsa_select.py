@@ -9,29 +9,16 @@ are common. Checks that both select the same keys, then prints the median time o
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from bench_common import median_wall_s
 from kernels.ops import topk_mask, topk_to_mask
 
 
 def by_sort(scores: torch.Tensor, k: int) -> torch.Tensor:
     top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     return topk_to_mask(top, scores.shape[-1])
-
-
-def median_s(fn, iters: int, sync) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -47,8 +34,8 @@ def main() -> None:
     scores = scores.masked_fill(torch.ones(a.T, a.T, dtype=torch.bool, device=a.device).triu(1), float("-inf"))
     assert torch.equal(topk_mask(scores, a.k), by_sort(scores, a.k)), "the two selections differ"
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
-    t_sort = median_s(lambda: by_sort(scores, a.k), a.iters, sync)
-    t_mask = median_s(lambda: topk_mask(scores, a.k), a.iters, sync)
+    t_sort = median_wall_s(lambda: by_sort(scores, a.k), a.iters, sync)
+    t_mask = median_wall_s(lambda: topk_mask(scores, a.k), a.iters, sync)
     print(f"device {a.device}, scores [{a.batch}, {a.T}, {a.T}], k={a.k}: same selection; "
           f"stable sort {1e3 * t_sort:.1f} ms, topk_mask {1e3 * t_mask:.1f} ms, {t_sort / t_mask:.2f}x faster")
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_timing import cuda_time_ms, log
+from bench_common import cuda_time_ms, log, write_json
 
 H200_BF16_PEAK = 989e12
 
@@ -144,9 +144,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     results = {f"{a.preset}_B{b}_T{a.seq}": floor(a.preset, b, a.seq) for b in a.batch}
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(results, a.json)
     print(json.dumps(results, indent=1))
 
 

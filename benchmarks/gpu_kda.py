@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from gpu_timing import cuda_time_ms, log, rel_err
+from bench_common import cuda_time_ms, log, rel_err, write_json
 
 RESULTS: dict[str, Any] = {}
 
@@ -136,9 +136,7 @@ def main() -> None:
             log(f"{name} FAILED: {e}")
             traceback.print_exc()
         torch.cuda.empty_cache()
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(RESULTS, f, indent=1)
+        write_json(RESULTS, a.json)
     print(json.dumps(RESULTS, indent=1))
 
 

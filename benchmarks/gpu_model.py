@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from gpu_timing import cuda_time_ms, log, rel_err
+from bench_common import cuda_time_ms, log, rel_err, write_json
 
 H200_BF16_PEAK = 989e12
 RESULTS: dict[str, Any] = {}
@@ -225,18 +225,13 @@ def main() -> None:
                       "fla": fla_available()}
     log(f"env {RESULTS['env']}")
 
-    def save() -> None:
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(RESULTS, f, indent=1)
-
     if not a.no_checks:
         check_fast_paths()
-        save()
+        write_json(RESULTS, a.json)
     for i, b in enumerate(a.batch):
         model_step(cfg, a.seq, b, a.configs, a.warmup, a.iters, profile=not a.no_profile and i == 0, loss=a.loss)
         torch.cuda.empty_cache()
-        save()
+        write_json(RESULTS, a.json)
 
 
 if __name__ == "__main__":

@@ -8,24 +8,13 @@ and batched decode with the cache (B rows forked from one prompt), median of a f
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench_common import median_wall_s
 from policy import PRESETS, build_model
 from policy.cli import model_info
-
-
-def _median_s(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def cpu_toy(batch: int, seq: int, decode_rows: int, decode_steps: int, repeats: int) -> None:
@@ -42,7 +31,7 @@ def cpu_toy(batch: int, seq: int, decode_rows: int, decode_steps: int, repeats: 
         opt.step()
         model.after_optimizer_step()
 
-    s = _median_s(train_step, repeats)
+    s = median_wall_s(train_step, repeats)
     print(f"toy train   B={batch} T={seq}: {s * 1e3:.0f} ms/step, {batch * seq / s:,.0f} tok/s")
     model.eval()
     prompt = torch.randint(3, 512, (1, 64))
@@ -55,7 +44,7 @@ def cpu_toy(batch: int, seq: int, decode_rows: int, decode_steps: int, repeats: 
             out = model(tok, cache=cache, use_cache=True)
             cache, tok = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
 
-    s = _median_s(decode, repeats)
+    s = median_wall_s(decode, repeats)
     print(f"toy decode  {decode_rows} rows x {decode_steps} steps after a 64-token prompt: "
           f"{decode_rows * decode_steps / s:,.0f} tok/s")
 

@@ -12,9 +12,10 @@ import json
 import resource
 import subprocess
 import sys
-import time
 
 import torch
+
+from bench_common import median_wall_s
 
 
 def run_variant(name: str, tokens: int, hidden: int, vocab: int, device: str, iters: int) -> dict[str, float]:
@@ -43,20 +44,18 @@ def run_variant(name: str, tokens: int, hidden: int, vocab: int, device: str, it
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    checksum = step()
-    sync()
-    times = []
-    for _ in range(iters):
+    checksum = step()  # also the warm-up
+
+    def again() -> None:
         h.grad = w.grad = None
-        t0 = time.perf_counter()
         step()
-        sync()
-        times.append(time.perf_counter() - t0)
+
+    seconds = median_wall_s(again, iters, sync, warmup=0)
     if device == "cuda":
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
         peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB -> MiB
-    return {"ms": 1e3 * sorted(times)[len(times) // 2], "peak_extra_mib": peak, "checksum": checksum}
+    return {"ms": 1e3 * seconds, "peak_extra_mib": peak, "checksum": checksum}
 
 
 def main() -> None:
