@@ -17,8 +17,7 @@ import datasets
 from envs.data import SPLITS, normalise_splits
 from envs.grades import Grade, Grader, GradeRequest
 from envs.toolcall import ParsedTurn, check_arguments, parse_turn
-
-EFFORTS = ("low", "medium", "high", "max")
+from policy.effort import EFFORT_LEVELS as EFFORTS
 
 
 @dataclass

@@ -4,7 +4,7 @@
     model = build_model("toy", vocab_size=tok.vocab_size)      # presets: see policy.config.PRESETS
     out = model(ids, cache=None, use_cache=False, routing=None, return_routing=False)
     model.after_optimizer_step()                                # MoE bias balancing + QK-Clip
-    model.save_pretrained(dir, tokenizer=tok); from_pretrained(dir)   # HF kimi_k3 layout
+    save_pretrained(model, dir, tokenizer=tok); from_pretrained(dir)   # HF kimi_k3 layout
 
 Beyond docs/architecture.md: forward(..., logits_to_keep=n, return_indexer_loss=True) and
 model.set_dsa_stage("warmup" | "sparse") for DSA indexer training; save_pretrained(...,

@@ -32,6 +32,8 @@ from safetensors.torch import save_file
 from kernels.mx import MXTensor, dequantize_mx, quantize_mx
 
 from .config import ConfigError, ModelConfig
+from .dtypes import keep_fp32
+from .model import build_model
 
 _K3_PREFIX = "language_model."
 _EXPERT_STACK = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(w[123])$")
@@ -385,8 +387,6 @@ def from_pretrained(path: str | Path, device: str | torch.device | None = None,
                     dtype: torch.dtype | None = None, strict: bool = True, **overrides: Any):
     """Load a checkpoint written by save_pretrained, a kimi_k3 directory, or a transformers
     KimiLinearForCausalLM directory. Returns a HybridForCausalLM in eval mode."""
-    from .model import build_model
-
     d = Path(path)
     if not (d / "config.json").exists():
         raise FileNotFoundError(f"from_pretrained: no config.json in {d}")
@@ -409,8 +409,6 @@ def from_pretrained(path: str | Path, device: str | torch.device | None = None,
     if device is not None:
         model = model.to(device)
     if dtype is not None:
-        from .model import _keep_fp32
-
         model = model.to(dtype)
-        _keep_fp32(model)
+        keep_fp32(model)
     return model.eval()

@@ -18,6 +18,7 @@ from kernels.logprobs import linear_token_logprobs
 
 from .cache import ModelCache
 from .config import ModelConfig, get_config
+from .dtypes import keep_fp32
 from .layers.attnres import attn_res_mix
 from .layers.kda import KDAMixer
 from .layers.mla import MLAMixer
@@ -236,11 +237,6 @@ class HybridForCausalLM(nn.Module):
 
         return count_parameters(self)
 
-    def save_pretrained(self, path: str, **kwargs: Any) -> None:
-        from .checkpoint import save_pretrained
-
-        save_pretrained(self, path, **kwargs)
-
 
 class _Residual:
     """The residual path: plain pre-norm sums, or Block AttnRes.
@@ -302,15 +298,5 @@ def build_model(config: str | ModelConfig = "toy", device: str | torch.device | 
             model = model.to(device)
     if dtype is not None:
         model = model.to(dtype)
-        _keep_fp32(model)
+        keep_fp32(model)
     return model
-
-
-def _keep_fp32(model: nn.Module) -> None:
-    """Router, its bias and the KDA decay parameters stay float32 (K3 keeps them so)."""
-    for name, p in model.named_parameters():
-        if name.endswith(("A_log", "dt_bias", "gate.weight", "conv1d.weight")):
-            p.data = p.data.float()
-    for name, b in model.named_buffers():
-        if b.is_floating_point():
-            b.data = b.data.float()

@@ -19,7 +19,8 @@ from typing import Iterable, Sequence
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-EFFORTS = ("low", "medium", "high", "max")
+from .effort import EFFORT_LEVELS as EFFORTS
+
 PAD, BOS, EOT = "<|pad|>", "<|bos|>", "<|eot|>"
 TOOL_CALL, TOOL_CALL_CLOSE, TOOL_RESULT = "<|tool_call|>", "<|/tool_call|>", "<|tool_result|>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": TOOL_RESULT}

@@ -37,7 +37,8 @@ def train(
     resume: Optional[str] = typer.Option(None, "--resume", help="continue the run in this folder from its last checkpoint"),
 ) -> None:
     """Run GRPO on the environments of CONFIG; prints the held-out table at the end."""
-    from rl.trainer import RunRefused, train as run_train
+    from rl.errors import RunRefused
+    from rl.trainer import train as run_train
 
     overrides = list(overrides or [])
     if resume and config and "=" in config:  # `rl train --resume DIR key=value`
@@ -57,8 +58,8 @@ def evaluate(
     overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides"),
 ) -> None:
     """Held-out reward per domain and effort level for a checkpoint."""
+    from rl.errors import RunRefused
     from rl.evaluate_cmd import evaluate_checkpoint
-    from rl.trainer import RunRefused
 
     try:
         evaluate_checkpoint(config, checkpoint, list(overrides or []), console=console)

@@ -90,7 +90,7 @@ def env_worker_name(run_id: str, index: int) -> str:
 def start_env_side(cfg: RunConfig, run_id: str) -> list:
     """The environment workers (each owns its grader pool): needed before the policy exists
     (reference episodes train the tokenizer and feed the warm-up)."""
-    from rl.env_worker import EnvWorker
+    from rl.rollout.env_worker import EnvWorker
 
     env_specs = {e.name: env_kwargs(cfg, e.name) for e in cfg.envs}
     grading = {"num_actors": cfg.grader.num_workers, "timeout_s": cfg.grader.timeout_s, "retries": cfg.grader.retries}
@@ -106,7 +106,7 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
     """Rollout workers, the learner and the scheduler that feeds the workers."""
     from rl.learner import Learner
     from rl.rollout.worker import RolloutWorker
-    from rl.scheduler import RolloutScheduler, SamplingPlan
+    from rl.rollout.scheduler import RolloutScheduler, SamplingPlan
 
     # environment workers by name, not handle: a restartable actor whose constructor holds actor
     # handles is one Ray warns may fail to restart

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-EFFORT_LEVELS = ("low", "medium", "high", "max")
+from policy.effort import EFFORT_LEVELS
 
 
 class ConfigError(ValueError):

@@ -9,7 +9,7 @@ import ray
 from rl.cluster import start_env_side, start_policy_side, start_ray
 from rl.config import load_config
 from rl.evaluation import eval_table, summarise_eval
-from rl.trainer import RunRefused
+from rl.errors import RunRefused
 
 
 def resolve_checkpoint(path: str) -> Path:

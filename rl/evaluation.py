@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from rich.table import Table
 
+from policy.effort import effort_order
 from rl.types import Sample
 
 
@@ -29,7 +30,7 @@ def summarise_eval(samples: Sequence[Sample]) -> dict[str, Any]:
 
 def eval_table(before: dict[str, Any] | None, after: dict[str, Any]) -> Table:
     """A rich table: one row per domain, one column per effort level, `before -> after`."""
-    efforts = sorted({e for row in after.values() for e in row if e != "all"}, key=_effort_order) + ["all"]
+    efforts = sorted({e for row in after.values() for e in row if e != "all"}, key=effort_order) + ["all"]
     table = Table(title="Held-out reward per domain and effort level (before RL -> after RL)")
     table.add_column("domain")
     for effort in efforts:
@@ -56,7 +57,7 @@ def effort_table(before: dict[str, Any] | None, after: dict[str, Any]) -> Table:
     table = Table(title="Reward and response tokens per effort level (all domains)")
     for column in ("effort", "reward", "tokens"):
         table.add_column(column, justify="right" if column != "effort" else "left")
-    levels = sorted((e for e in after.get("all", {}) if e != "all"), key=_effort_order)
+    levels = sorted((e for e in after.get("all", {}) if e != "all"), key=effort_order)
     for effort in levels:
         new = after["all"][effort]
         old = (before or {}).get("all", {}).get(effort)
@@ -65,8 +66,3 @@ def effort_table(before: dict[str, Any] | None, after: dict[str, Any]) -> Table:
         else:
             table.add_row(effort, f"{old['reward']:.2f} -> {new['reward']:.2f}", f"{old['tokens']:.1f} -> {new['tokens']:.1f}")
     return table
-
-
-def _effort_order(level: str) -> int:
-    order = ["low", "medium", "high", "max"]
-    return order.index(level) if level in order else len(order)

@@ -165,7 +165,9 @@ class Learner:
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(directory, tag=tag, client_state={**client_state, "version": self.version})
-        self.engine.module.save_pretrained(str(Path(directory) / tag / "hf"))
+        from policy import save_pretrained
+
+        save_pretrained(self.engine.module, str(Path(directory) / tag / "hf"))
 
     def load(self, directory: str, tag: str) -> dict[str, Any]:
         _, client_state = self.engine.load_checkpoint(directory, tag=tag)

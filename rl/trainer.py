@@ -13,17 +13,14 @@ import ray
 
 from rl.cluster import RunActors, env_kwargs, model_spec, start_env_side, start_policy_side, start_ray
 from rl.config import RunConfig, dump_config, load_config
-from rl.episodes import episode_texts, reference_example
+from rl.errors import RunRefused
+from rl.rollout.layout import episode_texts, reference_example
 from rl.evaluation import effort_table, eval_table, summarise_eval
 from rl.metrics import MetricsLogger, rollout_metrics
 from rl.progress import StepProgress
 from rl.types import env_worker_index
 
 CHECKPOINTS = "checkpoints"
-
-
-class RunRefused(RuntimeError):
-    """The run cannot start as asked (a failing environment, a folder that is not a run); one line."""
 
 
 def new_run_dir(cfg: RunConfig) -> Path:

@@ -11,15 +11,12 @@ import ray
 import torch
 
 from rl.rollout.engine import TorchEngine
+from rl.rollout.layout import stop_token_ids
 from rl.types import Sample, WorkItem, env_worker_index
 
 
 class NoWeightsError(RuntimeError):
     """The worker holds no policy weights (it was just started or restarted by Ray)."""
-
-
-def stop_token_ids(tokenizer) -> set[int]:
-    return {tokenizer.eos_id, tokenizer.tool_call_close_id}
 
 
 class RolloutWorker:

@@ -27,7 +27,7 @@ def _model(**kw):
 
 def test_round_trip_is_exact_and_layout_is_kimi_k3(tmp_path):
     m = _model(global_attn="dsa", q_lora_rank=12)
-    m.save_pretrained(tmp_path)
+    policy.save_pretrained(m, tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["model_type"] == "kimi_k3" and raw["architectures"] == ["KimiK3ForConditionalGeneration"]
     text = raw["text_config"]
@@ -71,7 +71,7 @@ def test_text_config_alone_describes_the_model():
 def test_sharded_save_loads(tmp_path):
     m = _model()
     tok = policy.Tokenizer.train(["tiny corpus for a tiny tokenizer"] * 20, vocab_size=300)
-    m.save_pretrained(tmp_path, max_shard_bytes=20_000, tokenizer=tok)
+    policy.save_pretrained(m, tmp_path, max_shard_bytes=20_000, tokenizer=tok)
     assert policy.Tokenizer.load(tmp_path).encode("tiny corpus") == tok.encode("tiny corpus")
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
@@ -85,7 +85,7 @@ def test_mxfp4_experts_and_bf16_save(tmp_path):
     from kernels.mx import dequantize_mx, quantize_mx
 
     m = _model(moe_intermediate_size=32, routed_expert_hidden_size=64)
-    m.save_pretrained(tmp_path, mxfp4_experts=True, dtype=torch.bfloat16)
+    policy.save_pretrained(m, tmp_path, mxfp4_experts=True, dtype=torch.bfloat16)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["quantization_config"]["format"] == "mxfp4-pack-quantized"
     pre = "language_model.model.layers.1."
@@ -137,7 +137,7 @@ def test_k3_padded_a_log_and_router_load_and_bad_padding_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
     m = _model()
-    m.save_pretrained(tmp_path)
+    policy.save_pretrained(m, tmp_path)
     f = tmp_path / "model.safetensors"
     raw = load_file(str(f))
     a_log = "language_model.model.layers.1.self_attn.A_log"

@@ -6,11 +6,16 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 
+def stop_token_ids(tokenizer) -> set[int]:
+    """Tokens that end an assistant turn: end of turn, or the close of a tool call."""
+    return {tokenizer.eos_id, tokenizer.tool_call_close_id}
+
+
 def reference_example(tokenizer, messages: list[dict[str, str]], turns: list[dict[str, Any]],
                       effort: str) -> dict[str, list[int]]:
     tokens = tokenizer.apply_chat_template(messages, effort=effort, add_generation_prompt=True)
     mask = [0] * len(tokens)
-    stops = {tokenizer.eos_id, tokenizer.tool_call_close_id}
+    stops = stop_token_ids(tokenizer)
     for turn in turns:
         action = tokenizer.encode(turn["action"])
         if not action or action[-1] not in stops:
