@@ -18,7 +18,7 @@ from rl.rollout.layout import episode_texts, reference_example
 from rl.evaluation import effort_table, eval_table, summarise_eval
 from rl.metrics import MetricsLogger, rollout_metrics
 from rl.progress import StepProgress
-from rl.types import env_worker_index
+from rl.types import Sample, env_worker_index
 
 CHECKPOINTS = "checkpoints"
 
@@ -32,6 +32,15 @@ def new_run_dir(cfg: RunConfig) -> Path:
         run_dir = base.with_name(f"{base.name}-{n}")
     run_dir.mkdir(parents=True)
     return run_dir
+
+
+def rollout_record(step: int, s: Sample) -> dict[str, Any]:
+    """One line of rollouts.jsonl: what the sample was asked, what it did and how it was graded."""
+    return {"step": step, "uid": s.uid, "group": s.group_uid, "env": s.env, "domain": s.domain,
+            "task_id": s.task_id, "effort": s.effort, "reward": s.reward, "passed": s.passed,
+            "version": s.weight_version, "tokens": s.response_tokens, "turns": s.num_turns,
+            "truncated": s.truncated, "error": s.grade_error, "grade": s.grade_details,
+            "transcript": s.transcript}
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[str, int] | None:
@@ -195,10 +204,6 @@ class Trainer:
             if self._started_ray:
                 ray.shutdown()
 
-    def _response_text(self, sample) -> str:
-        """The policy's own tokens of an episode, decoded (tool results left out)."""
-        return self.tokenizer.decode([t for t, m in zip(sample.tokens, sample.loss_mask) if m])
-
     def _train_loop(self, start_step: int, logger: MetricsLogger) -> None:
         cfg = self.cfg
         progress = StepProgress("GRPO", cfg.train.steps, completed=start_step, enabled=cfg.logging.progress)
@@ -228,10 +233,7 @@ class Trainer:
                 logger.log(step, metrics)
                 with rollouts_log.open("a") as f:
                     for s in samples:
-                        f.write(json.dumps({"step": step, "uid": s.uid, "env": s.env, "effort": s.effort,
-                                            "reward": s.reward, "version": s.weight_version,
-                                            "tokens": s.response_tokens, "error": s.grade_error,
-                                            "response": self._response_text(s)}) + "\n")
+                        f.write(json.dumps(rollout_record(step, s), default=str) + "\n")
                 if (step + 1) % cfg.checkpoint.every == 0 or step == cfg.train.steps - 1:
                     self._save(step)
                 progress.advance(f"reward {metrics['rollout/reward']:.3f}  kl {metrics.get('train/kl', 0.0):.4f}  "

@@ -44,6 +44,8 @@ class Sample:
     num_turns: int = 0
     truncated: bool = False
     routing: np.ndarray | None = None  # int16 [T, n_moe_layers, top_k] experts chosen while sampling
+    transcript: list[dict[str, str]] = field(default_factory=list)  # messages: system, user, assistant, tool
+    grade_details: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -12,7 +12,7 @@ from rl.types import WorkItem
 
 
 def failed_grade(error: str) -> dict[str, Any]:
-    return {"reward": 0.0, "passed": False, "error": error, "grader_version": ""}
+    return {"reward": 0.0, "passed": False, "error": error, "grader_version": "", "details": {}}
 
 
 class EnvWorker:
@@ -101,7 +101,9 @@ class EnvWorker:
             results = self.grader_pool.grade_many([requests[i] for i in todo])
             for i, grade in zip(todo, results):
                 grades[i] = {"reward": float(grade.reward), "passed": bool(grade.passed), "error": grade.error,
-                             "grader_version": grade.grader_version}
+                             "grader_version": grade.grader_version, "details": grade.details}
+        for grade, eid in zip(grades, episode_ids):
+            grade["transcript"] = self.episodes[eid][1].messages  # what the policy saw and did, as text
         for eid in episode_ids:
             self._release(eid)
         return grades

@@ -98,6 +98,7 @@ class RolloutWorker:
                 effort=item.effort, tokens=row.tokens, loss_mask=row.loss_mask, behavior_logprobs=row.logprobs,
                 weight_version=version, reward=grade["reward"], passed=grade["passed"],
                 grade_error=grade["error"], grader_version=grade["grader_version"], num_turns=turns[i],
+                transcript=grade["transcript"], grade_details=grade["details"],
                 truncated=truncated[i] or i in active,  # still going when max_turns ran out
                 routing=self.engine.routing_array(i, n),
             ))

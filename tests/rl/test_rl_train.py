@@ -59,6 +59,11 @@ def test_short_run_then_resume(tmp_path, ray_session):
     assert (run_dir / "config.yaml").exists() and (run_dir / "eval_after.json").exists()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_2"
     assert (run_dir / "checkpoints" / "step_2" / "hf" / "config.json").exists()
+    for line in (run_dir / "rollouts.jsonl").read_text().splitlines():  # each sample can be read back whole
+        rec = json.loads(line)
+        roles = [m["role"] for m in rec["transcript"]]
+        assert roles[:3] == ["system", "user", "assistant"] and rec["task_id"] and rec["domain"]
+        assert roles.count("assistant") == rec["turns"]
     # Resume with more steps: it continues at step 3, not from scratch.
     output = run_cli("train", "--resume", str(run_dir), "train.steps=5")
     assert "continuing at step 3" in output
