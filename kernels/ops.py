@@ -65,6 +65,7 @@ def short_conv(
     bias: Tensor | None = None,
     window: Tensor | None = None,
     activation: str | None = "silu",
+    lengths: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal depthwise conv over time with a carried window (prefill and decode alike).
 
@@ -72,6 +73,8 @@ def short_conv(
     current token. window: [B, W-1, D], the previous W-1 inputs, oldest first (None = zeros,
     the start of a sequence). Returns (y [B, T, D], new window [B, W-1, D]): the last W-1
     inputs of cat(window, x), so decoding one token at a time equals one full pass.
+    lengths: [B] real tokens per row when rows are right-padded; the new window then ends at each
+    row's last real token (outputs at real positions never see the padding, which comes later).
     """
     if x.dim() != 3:
         raise ValueError(f"short_conv: x must be [B, T, D], got shape {tuple(x.shape)}")
@@ -90,7 +93,12 @@ def short_conv(
         raise ValueError(f"short_conv: activation must be 'silu' or None, got {activation!r}")
     window = window.to(x.dtype)
     y = _causal_depthwise(x, window, w, bias, activation == "silu")
-    return y, torch.cat((window, x[:, -(W - 1):]), dim=1)[:, -(W - 1):]  # small: holds no view of x
+    if lengths is None:
+        return y, torch.cat((window, x[:, -(W - 1):]), dim=1)[:, -(W - 1):]  # small: holds no view of x
+    # row b's window: positions lengths[b] .. lengths[b] + W-2 of cat(window, x)
+    pos = lengths.to(x.device)[:, None] + torch.arange(W - 1, device=x.device)[None]
+    padded = torch.cat((window, x), dim=1)
+    return y, padded.gather(1, pos[..., None].expand(B, W - 1, D))
 
 
 @fused_on_cuda

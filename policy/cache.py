@@ -65,10 +65,11 @@ class MLACache:
         return MLACache(self.latent.clone(), self.k_rope.clone(), self.valid.clone(),
                         None if self.index_k is None else self.index_k.clone())
 
-    def append(self, latent: Tensor, k_rope: Tensor, index_k: Tensor | None) -> "MLACache":
-        """A new cache with T new (valid) tokens appended to every row."""
+    def append(self, latent: Tensor, k_rope: Tensor, index_k: Tensor | None,
+               valid: Tensor | None = None) -> "MLACache":
+        """A new cache with T new tokens appended to every row (all valid unless `valid` [B, T] says)."""
         B, T = latent.shape[:2]
-        ones = torch.ones(B, T, dtype=torch.bool, device=latent.device)
+        ones = torch.ones(B, T, dtype=torch.bool, device=latent.device) if valid is None else valid.to(torch.bool)
         ik = None
         if index_k is not None:
             ik = index_k if self.index_k is None else torch.cat([self.index_k, index_k], 1)

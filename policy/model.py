@@ -71,18 +71,19 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(d, cfg.intermediate_size, cfg)
 
-    def mix(self, x: torch.Tensor, cache: Any, use_cache: bool,
-            want_idx_loss: bool) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+    def mix(self, x: torch.Tensor, cache: Any, use_cache: bool, want_idx_loss: bool,
+            token_mask: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
         """Attention sublayer: (output, new layer cache or None, DSA indexer loss or None)."""
         if self.kind == "kda":
-            y, c = self.self_attn(x, cache, use_cache)
+            y, c = self.self_attn(x, cache, use_cache, token_mask)
             return y, c, None
-        return self.self_attn(x, cache, use_cache, want_idx_loss)
+        return self.self_attn(x, cache, use_cache, want_idx_loss, token_mask)
 
-    def ffn(self, x: torch.Tensor, routing: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def ffn(self, x: torch.Tensor, routing: torch.Tensor | None,
+            token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FFN sublayer: (output, chosen experts [B, T, k] or None for a dense layer)."""
         if self.is_moe:
-            return self.block_sparse_moe(x, routing)
+            return self.block_sparse_moe(x, routing, token_mask)
         return self.mlp(x), None
 
 
@@ -133,12 +134,17 @@ class HybridForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None, use_cache: bool = False,
                 routing: torch.Tensor | None = None, return_routing: bool = False,
                 return_indexer_loss: bool = False, logits_to_keep: int = 0, return_token_logprobs: bool = False,
-                logit_scale: float = 1.0) -> CausalLMOutput:
+                logit_scale: float = 1.0, token_mask: torch.Tensor | None = None) -> CausalLMOutput:
         """Logits [B, T, vocab] float32, times `logit_scale` (1 / sampling temperature); only the
         last `logits_to_keep` positions when > 0: a prefill with a 160K vocab needs just the last
         row. `return_token_logprobs`: instead of logits, the log-probability and entropy of each
         input token's prediction, computed blockwise from the hidden states (what a learner
-        needs, at a fraction of the memory). See docs/architecture.md."""
+        needs, at a fraction of the memory).
+        `token_mask` [B, T] bool marks real tokens of right-padded rows: padding never changes a
+        cache (KDA state, conv window, MLA keys), never counts in MoE balancing statistics, and
+        with logits_to_keep=1 the logits are each row's at its last real token.
+        `routing` entries of -1 (a token whose experts were not recorded) route as usual.
+        See docs/architecture.md."""
         cfg = self.config
         if return_token_logprobs and logits_to_keep:
             raise ValueError("forward: return_token_logprobs and logits_to_keep cannot be combined")
@@ -158,8 +164,12 @@ class HybridForCausalLM(nn.Module):
             if tuple(routing.shape) != (B, T, n_moe, k):
                 raise ValueError(f"forward: routing must be [B, T, n_moe_layers, top_k] = {(B, T, n_moe, k)}, "
                                  f"got {tuple(routing.shape)}")
-            if n_moe and (int(routing.min()) < 0 or int(routing.max()) >= cfg.num_experts):
-                raise ValueError(f"forward: routing holds expert ids outside [0, {cfg.num_experts})")
+            if n_moe and (int(routing.min()) < -1 or int(routing.max()) >= cfg.num_experts):
+                raise ValueError(f"forward: routing holds expert ids outside [0, {cfg.num_experts}) (-1: not recorded)")
+        if token_mask is not None and tuple(token_mask.shape) != (B, T):
+            raise ValueError(f"forward: token_mask must be [B, T] = {(B, T)}, got {tuple(token_mask.shape)}")
+        if token_mask is not None and logits_to_keep > 1:
+            raise ValueError("forward: token_mask takes logits_to_keep 0 or 1 (each row's last real token)")
 
         dt = self.model.embed_tokens.weight.dtype  # sublayers run in the model dtype
         stream = _Residual(self.model.embed_tokens(input_ids), cfg)
@@ -169,18 +179,21 @@ class HybridForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = stream.attn_input(layer)
             a, c, il = layer.mix(layer.input_layernorm(h).to(dt), None if cache is None else cache.layers[i],
-                                 use_cache, return_indexer_loss)
+                                 use_cache, return_indexer_loss, token_mask)
             new_layers.append(c)
             if il is not None:
                 idx_losses.append(il)
             h = stream.add_attn(layer, a)
             r = routing[:, :, len(chosen)] if (routing is not None and layer.is_moe) else None
-            m, idx = layer.ffn(layer.post_attention_layernorm(h).to(dt), r)
+            m, idx = layer.ffn(layer.post_attention_layernorm(h).to(dt), r, token_mask)
             if idx is not None:
                 chosen.append(idx)
             stream.add_ffn(m)
         h = stream.output(self.model)
-        if logits_to_keep > 0:
+        real = None if token_mask is None else token_mask.sum(1)  # [B] real tokens per row
+        if logits_to_keep == 1 and real is not None:
+            h = h.gather(1, (real - 1).clamp_min(0).view(B, 1, 1).expand(B, 1, h.shape[-1]))
+        elif logits_to_keep > 0:
             h = h[:, -logits_to_keep:]
         h = self.model.norm(h).to(dt)
         logits = token_logp = token_entropy = None
@@ -193,7 +206,7 @@ class HybridForCausalLM(nn.Module):
         out_cache = None
         if use_cache:
             past = cache.lengths if cache is not None else torch.zeros(B, dtype=torch.long, device=input_ids.device)
-            out_cache = ModelCache(new_layers, past + T)
+            out_cache = ModelCache(new_layers, past + (T if real is None else real))
         out_routing = None
         if return_routing:
             out_routing = (torch.stack(chosen, dim=2) if chosen
@@ -218,6 +231,20 @@ class HybridForCausalLM(nn.Module):
                     layer.self_attn.qk_max.fill_(float("-inf"))
         stats["qk_clip_heads"] = float(clipped)
         return stats
+
+    @torch.no_grad()
+    def moe_statistics(self) -> dict[str, object]:
+        """Since the last optimizer step (read before `after_optimizer_step` resets them): each MoE
+        layer's share of routed real tokens per expert, and how often replayed routing agreed with
+        the learner's own top-k choice."""
+        load, agree, total = {}, 0.0, 0.0
+        for i, layer in enumerate(self.model.layers):
+            if layer.is_moe:
+                moe = layer.block_sparse_moe
+                load[i] = (moe.load / moe.load.sum().clamp_min(1.0)).tolist()
+                agree += float(moe.replay_agree)
+                total += float(moe.replay_total)
+        return {"load": load, "routing_agreement": agree / total if total else None}
 
     def set_dsa_stage(self, stage: str) -> None:
         """'warmup': dense attention, only the indexer learns (KL to it); 'sparse': top-k attention."""

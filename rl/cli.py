@@ -56,13 +56,15 @@ def evaluate(
     config: str = typer.Argument(..., help="YAML run config naming the environments to evaluate on"),
     checkpoint: str = typer.Option(..., "--checkpoint", help="a checkpoint folder (…/checkpoints/step_N) or save_pretrained folder"),
     overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides"),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="where to write the JSON summary "
+                                         "(default: eval.json beside the checkpoint's config.json)"),
 ) -> None:
-    """Held-out reward per domain and effort level for a checkpoint."""
+    """Held-out reward per domain and effort level for a checkpoint (table, and a JSON file)."""
     from rl.errors import RunRefused
     from rl.evaluate_cmd import evaluate_checkpoint
 
     try:
-        evaluate_checkpoint(config, checkpoint, list(overrides or []), console=console)
+        evaluate_checkpoint(config, checkpoint, list(overrides or []), console=console, output=output)
     except (ConfigError, RunRefused) as exc:
         _fail(str(exc))
 

@@ -71,9 +71,10 @@ def model_spec(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
 
 
 def loss_config(cfg: RunConfig) -> LossConfig:
-    t = cfg.train
+    t, o = cfg.train, cfg.train.off_policy
     return LossConfig(eps_low=t.eps_low, eps_high=t.eps_high, dual_clip=t.dual_clip, kl_coef=t.kl_coef,
-                      loss_agg=t.loss_agg, norm_len=cfg.rollout.max_context)
+                      loss_agg=t.loss_agg, norm_len=cfg.rollout.max_context, proximal=o.proximal,
+                      is_correction=o.is_correction, is_level=o.is_level, is_cap=o.is_cap, is_band=o.is_band)
 
 
 def env_kwargs(cfg: RunConfig, name: str) -> dict[str, Any]:
@@ -94,8 +95,10 @@ def start_env_side(cfg: RunConfig, run_id: str) -> list:
 
     env_specs = {e.name: env_kwargs(cfg, e.name) for e in cfg.envs}
     grading = {"num_actors": cfg.grader.num_workers, "timeout_s": cfg.grader.timeout_s, "retries": cfg.grader.retries}
+    # threaded: many rollout workers' episodes at once, one slow tool call never stalls the others
     return [
-        ray.remote(EnvWorker).options(num_cpus=0.25, name=env_worker_name(run_id, i), max_restarts=2)
+        ray.remote(EnvWorker).options(num_cpus=0.25, name=env_worker_name(run_id, i), max_restarts=2,
+                                      max_concurrency=64)
         .remote(env_specs, grading, run_id, cfg.sandbox_backend, cfg.rollout.group_size)
         for i in range(cfg.rollout.env_workers)
     ]
@@ -114,14 +117,13 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
     rollout_workers = [
         ray.remote(RolloutWorker).options(num_cpus=cfg.rollout.worker_cpus, name=f"rollout-{run_id}-{i}",
                                           max_restarts=cfg.rollout.max_retries + 1, max_task_retries=0)
-        .remote(spec, tokenizer_dir, env_names, cfg.rollout.max_context, cfg.rollout.record_routing,
-                cfg.seed + 1000 * (i + 1))
+        .remote(spec, tokenizer_dir, env_names, cfg.rollout, cfg.seed + 1000 * (i + 1))
         for i in range(cfg.rollout.num_workers)
     ]
     learner = None
     if with_learner:
         learner = ray.remote(Learner).options(num_cpus=0.5, name=f"learner-{run_id}").remote(
-            spec, cfg.train.model_dump(), loss_config(cfg), cfg.rollout.temperature, pad_id, cfg.seed)
+            spec, cfg.train, loss_config(cfg), cfg.rollout.temperature, pad_id, cfg.seed)
     names = [e.name for e in cfg.envs]
     first = env_workers[0]
     task_ids = {name: {split: ray.get(first.task_ids.remote(name, split)) for split in ("train", "heldout")}
@@ -130,5 +132,5 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
                         effort_budgets=cfg.effort.budgets, group_size=cfg.rollout.group_size,
                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed)
     scheduler = ray.remote(RolloutScheduler).options(num_cpus=0, name=f"scheduler-{run_id}").remote(
-        rollout_workers, env_workers, task_ids, plan, cfg.rollout.max_retries)
+        rollout_workers, env_workers, task_ids, plan, cfg.rollout)
     return RunActors(env_workers, rollout_workers, scheduler, learner)

@@ -69,17 +69,67 @@ class RolloutConfig(Section):
     groups_per_step: int = Field(default=8, ge=1)  # (prompt, effort) groups per training step
     group_size: int = Field(default=4, ge=2)  # samples per group (GRPO's G)
     temperature: float = Field(default=1.0, gt=0)
+    # The learner scores tokens under the full (temperature-scaled) distribution, so a truncated
+    # sampler would bias the importance ratio: training samples with top_p = 1 (evaluation may not).
     top_p: float = Field(default=1.0, gt=0, le=1)
-    max_context: int = Field(default=512, ge=16)  # hard cap on a whole episode's tokens
+    max_context: int = Field(default=32768, ge=16)  # an episode's tokens, prompt and tool results included
     record_routing: bool = True  # routing replay: the learner reuses the experts chosen while sampling
     worker_cpus: float = Field(default=0.5, gt=0)
-    max_retries: int = Field(default=3, ge=0)  # re-issues of a group whose worker died
+    max_retries: int = Field(default=3, ge=0)  # re-issues of a group whose worker died or environment raised
+    # asynchronous training: rollout runs up to this many policy versions ahead of the learner
+    # (0: synchronous, every sample from the weights it is trained against)
+    max_staleness: int = Field(default=0, ge=0)
+    drop_uniform_groups: bool = True  # groups whose rewards all agree carry no signal: drop, draw more
+    max_draws_per_step: float = Field(default=4.0, ge=1.0)  # x groups_per_step: cap on drawing replacements
+    groups_per_worker: int = Field(default=8, ge=1)  # groups one worker plays at once (continuous batching)
+    # the native engine's memory: sequences in cache slots, latent keys in blocks of the cache
+    max_slots: int = Field(default=64, ge=1)
+    cache_tokens: int = Field(default=131072, ge=64)
+    max_batch_tokens: int = Field(default=2048, ge=16)  # prefill tokens per forward (longer inputs in chunks)
+
+    @model_validator(mode="after")
+    def _training_samples_full_distribution(self) -> "RolloutConfig":
+        if self.top_p < 1.0:
+            raise ValueError(f"rollout.top_p={self.top_p} is not supported for training: the learner scores the "
+                             f"full distribution, so a truncated sampler would bias the importance ratio; use 1.0")
+        return self
+
+    @model_validator(mode="after")
+    def _slots_hold_the_groups(self) -> "RolloutConfig":
+        if self.groups_per_worker * self.group_size > self.max_slots:
+            raise ValueError(f"rollout.groups_per_worker x group_size = {self.groups_per_worker * self.group_size} "
+                             f"sequences do not fit rollout.max_slots={self.max_slots}")
+        return self
 
 
 class GraderConfig(Section):
     num_workers: int = Field(default=1, ge=1)
     timeout_s: float = Field(default=30.0, gt=0)
     retries: int = Field(default=1, ge=0)
+
+
+class OffPolicyConfig(Section):
+    """Corrections for samples drawn by other weights than the learner's (async training, kernel
+    mismatch). proximal: behavior = PPO ratio against the sampler's logprobs; learner = decoupled
+    PPO (ratio against the learner's policy at the step's start, each token weighted by
+    pi_prox / pi_behaviour, shaped by is_correction: none | tis (capped at is_cap) | mis (zero
+    outside is_band; at token level this is IcePop's masking); is_level token | sequence | geometric."""
+
+    proximal: Literal["behavior", "learner"] = "behavior"
+    is_correction: Literal["none", "tis", "mis"] = "none"
+    is_level: Literal["token", "sequence", "geometric"] = "token"
+    is_cap: float = Field(default=2.0, gt=0)
+    is_band: tuple[float, float] = (0.5, 2.0)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "OffPolicyConfig":
+        if self.is_correction != "none" and self.proximal != "learner":
+            raise ValueError(f"is_correction={self.is_correction!r} weights tokens by pi_prox / pi_behaviour: "
+                             f"it needs proximal='learner'")
+        lo, hi = self.is_band
+        if not 0 <= lo < 1 < hi:
+            raise ValueError(f"is_band must satisfy 0 <= low < 1 < high, got {list(self.is_band)}")
+        return self
 
 
 class TrainConfig(Section):
@@ -97,7 +147,8 @@ class TrainConfig(Section):
     loss_agg: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
     threads: int = Field(default=2, ge=1)  # torch threads in the learner (rollouts idle while it trains)
     zero_stage: int = Field(default=0, ge=0, le=2)  # ZeRO-3 partitions weights; the push reads whole ones
-    filter_uniform_groups: bool = True  # groups whose rewards all agree carry no signal
+    updates_per_step: int = Field(default=1, ge=1)  # optimizer steps per batch (mini-batches of whole groups)
+    off_policy: OffPolicyConfig = Field(default_factory=lambda: OffPolicyConfig())
 
 
 class WarmupConfig(Section):
@@ -176,7 +227,8 @@ def _describe(error: dict[str, Any]) -> str:
         return f"config error: '{path}' is required"
     got = error.get("input")
     got_text = f", got {got!r}" if not isinstance(got, dict) and got is not None else ""
-    return f"config error: '{path}': {error['msg'].rstrip('.')}{got_text}"
+    message = error["msg"].removeprefix("Value error, ").rstrip(".")
+    return f"config error: '{path}': {message}{got_text}"
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -23,7 +23,10 @@ def resolve_checkpoint(path: str) -> Path:
     raise RunRefused(f"--checkpoint: no config.json in {root} or {root / 'hf'}")
 
 
-def evaluate_checkpoint(config_path: str, checkpoint: str, overrides: list[str], console=None) -> dict:
+def evaluate_checkpoint(config_path: str, checkpoint: str, overrides: list[str], console=None,
+                        output: str | None = None) -> dict:
+    """Evaluate a checkpoint on the config's environments; the summary is written to `output`
+    (default: eval.json beside the checkpoint's config.json) and returned."""
     from policy import Tokenizer
 
     cfg = load_config(config_path, overrides)
@@ -38,12 +41,14 @@ def evaluate_checkpoint(config_path: str, checkpoint: str, overrides: list[str],
         actors = start_policy_side(cfg, run_id, spec, str(model_dir / "tokenizer"), tok.pad_id, env_workers,
                                    with_learner=False)
         e = cfg.eval
-        result = ray.get(actors.scheduler.evaluate.remote([x.name for x in cfg.envs], e.efforts, e.tasks_per_env,
-                                                          e.samples_per_task, e.temperature, "eval"))
-        summary = summarise_eval(result["samples"])
+        samples = ray.get(actors.scheduler.evaluate.remote([x.name for x in cfg.envs], e.efforts, e.tasks_per_env,
+                                                           e.samples_per_task, e.temperature, "eval"))
+        summary = summarise_eval(samples)
+        out = Path(output) if output else model_dir / "eval.json"
+        out.write_text(json.dumps(summary, indent=1))
         if console is not None:
-            console.print(eval_table(None, summary))
-            console.print(json.dumps({d: {k: round(v["reward"], 4) for k, v in row.items()} for d, row in summary.items()}))
+            console.print(eval_table(None, summary, title=f"Held-out reward of {checkpoint} (+- standard error)"))
+            console.print(f"written: {out}")
         return summary
     finally:
         if actors is not None:

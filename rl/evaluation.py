@@ -1,6 +1,8 @@
-"""Held-out evaluation summaries: mean reward per domain and effort level, before vs after RL."""
+"""Held-out evaluation summaries: mean reward per domain and effort level (with its standard
+error: two evaluations of one checkpoint differ by about that much), before vs after RL."""
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Sequence
 
@@ -11,7 +13,8 @@ from rl.types import Sample
 
 
 def summarise_eval(samples: Sequence[Sample]) -> dict[str, Any]:
-    """{"domain": {"effort": {"reward", "pass_rate", "n", "tokens"}}} plus an "all" row and column."""
+    """{"domain": {"effort": {"reward", "stderr", "pass_rate", "n", "tokens"}}} plus an "all" row and
+    column. stderr: the standard error of the mean reward over the cell's samples."""
     cells: dict[tuple[str, str], list[Sample]] = defaultdict(list)
     for s in samples:
         for domain in (s.domain, "all"):
@@ -19,8 +22,11 @@ def summarise_eval(samples: Sequence[Sample]) -> dict[str, Any]:
                 cells[(domain, effort)].append(s)
     out: dict[str, Any] = defaultdict(dict)
     for (domain, effort), group in sorted(cells.items()):
+        mean = sum(s.reward for s in group) / len(group)
+        var = sum((s.reward - mean) ** 2 for s in group) / (len(group) - 1) if len(group) > 1 else 0.0
         out[domain][effort] = {
-            "reward": sum(s.reward for s in group) / len(group),
+            "reward": mean,
+            "stderr": math.sqrt(var / len(group)),
             "pass_rate": sum(s.passed for s in group) / len(group),
             "tokens": sum(s.response_tokens for s in group) / len(group),
             "n": len(group),
@@ -28,10 +34,13 @@ def summarise_eval(samples: Sequence[Sample]) -> dict[str, Any]:
     return dict(out)
 
 
-def eval_table(before: dict[str, Any] | None, after: dict[str, Any]) -> Table:
-    """A rich table: one row per domain, one column per effort level, `before -> after`."""
+def eval_table(before: dict[str, Any] | None, after: dict[str, Any], title: str | None = None) -> Table:
+    """A rich table: one row per domain, one column per effort level, `before -> after +- stderr`
+    (or one evaluation's `reward +- stderr` when there is no `before`)."""
     efforts = sorted({e for row in after.values() for e in row if e != "all"}, key=effort_order) + ["all"]
-    table = Table(title="Held-out reward per domain and effort level (before RL -> after RL)")
+    default = ("Held-out reward per domain and effort level (before RL -> after RL, +- standard error)"
+               if before is not None else "Held-out reward per domain and effort level (+- standard error)")
+    table = Table(title=title or default)
     table.add_column("domain")
     for effort in efforts:
         table.add_column(effort, justify="right")
@@ -43,11 +52,12 @@ def eval_table(before: dict[str, Any] | None, after: dict[str, Any]) -> Table:
             if new is None:
                 cells.append("-")
             elif old is None:
-                cells.append(f"{new['reward']:.2f}")
+                cells.append(f"{new['reward']:.2f} +- {new.get('stderr', 0.0):.2f}")
             else:
                 delta = new["reward"] - old["reward"]
                 colour = "green" if delta > 0 else ("red" if delta < 0 else "white")
-                cells.append(f"{old['reward']:.2f} -> [{colour}]{new['reward']:.2f}[/{colour}]")
+                cells.append(f"{old['reward']:.2f} -> [{colour}]{new['reward']:.2f}[/{colour}] "
+                             f"+- {new.get('stderr', 0.0):.2f}")
         table.add_row(domain, *cells)
     return table
 

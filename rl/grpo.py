@@ -1,5 +1,6 @@
-"""GRPO numerics: group-relative advantages, the clipped behaviour-anchored loss, and micro-batching
-that gives the same gradient however a batch is cut (the loss is normalised by GLOBAL counts)."""
+"""GRPO numerics: group-relative advantages, the clipped loss anchored on the behaviour policy (or on
+a proximal policy, with off-policy corrections), and micro-batching that gives the same gradient
+however a batch is cut (the loss is normalised by GLOBAL counts)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -12,6 +13,9 @@ import torch.distributed as dist
 
 from rl.types import Sample
 
+IsCorrection = Literal["none", "tis", "mis"]
+IsLevel = Literal["token", "sequence", "geometric"]
+
 
 @dataclass(frozen=True)
 class LossConfig:
@@ -21,6 +25,19 @@ class LossConfig:
     kl_coef: float = 0.0
     loss_agg: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
     norm_len: int = 512  # the constant length Dr.GRPO's seq_mean_token_sum divides by
+    # Off-policy corrections. proximal="behavior": the PPO ratio is pi_theta / pi_behaviour.
+    # proximal="learner" (decoupled PPO): the ratio is pi_theta / pi_prox, pi_prox being the
+    # learner's own policy at the start of the step, and each token is weighted by
+    # w = pi_prox / pi_behaviour (no gradient), shaped by `is_correction`:
+    #   none: w as is; tis: min(w, is_cap); mis: w where it lies in is_band, else 0 (at token level
+    #   this is IcePop's band masking). is_level: per token, per sequence (product of the token
+    #   weights) or geometric (exp of the mean token log weight), a sequence's weight applied to
+    #   all its tokens.
+    proximal: Literal["behavior", "learner"] = "behavior"
+    is_correction: IsCorrection = "none"
+    is_level: IsLevel = "token"
+    is_cap: float = 2.0
+    is_band: tuple[float, float] = (0.5, 2.0)
 
 
 def compute_advantages(
@@ -28,8 +45,9 @@ def compute_advantages(
 ) -> np.ndarray:
     """Reward minus its group's mean; a group is one (prompt, effort) pair.
 
-    std_norm="group" divides by the group's std (biased toward very easy/hard prompts, per Dr.GRPO),
-    "batch" by the std of all the centred rewards, "none" leaves the scale alone.
+    std_norm="group" divides by the group's sample standard deviation (ddof 1, as verl and TRL do;
+    biased toward very easy/hard prompts, per Dr.GRPO), "batch" by the sample std of all the
+    centred rewards, "none" leaves the scale alone.
     """
     rewards_arr = np.asarray(rewards, dtype=np.float64)
     if len(rewards_arr) != len(group_keys):
@@ -41,11 +59,11 @@ def compute_advantages(
     for idx in members.values():
         r = rewards_arr[idx]
         centred = r - r.mean()
-        if std_norm == "group":
-            centred = centred / (r.std() + 1e-6)
+        if std_norm == "group" and len(r) > 1:
+            centred = centred / (r.std(ddof=1) + 1e-6)
         adv[idx] = centred
     if std_norm == "batch" and len(adv) > 1:
-        adv = adv / (adv.std() + 1e-6)
+        adv = adv / (adv.std(ddof=1) + 1e-6)
     return adv
 
 
@@ -55,8 +73,12 @@ class TrainBatch:
     loss_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (targets)
     behavior_logprobs: torch.Tensor  # [B, T] float32
     advantages: torch.Tensor  # [B] float32
-    routing: torch.Tensor | None  # [B, T, n_moe_layers, top_k] long, or None
+    routing: torch.Tensor | None  # [B, T, n_moe_layers, top_k] long (-1: not recorded), or None
     ref_logprobs: torch.Tensor | None = None  # [B, T] for the KL term
+    token_mask: torch.Tensor | None = None  # [B, T] bool: real tokens (padding is False)
+    prox_logprobs: torch.Tensor | None = None  # [B, T] the proximal policy's (proximal="learner")
+    versions: torch.Tensor | None = None  # [B, T] long: weight version per generated token, -1 elsewhere
+    row_domains: tuple[str, ...] = ()  # per row, for per-domain statistics
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -65,40 +87,76 @@ class TrainBatch:
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return TrainBatch(
             self.input_ids[rows], self.loss_mask[rows], self.behavior_logprobs[rows], self.advantages[rows],
-            pick(self.routing), pick(self.ref_logprobs),
+            pick(self.routing), pick(self.ref_logprobs), pick(self.token_mask), pick(self.prox_logprobs),
+            pick(self.versions), self.row_domains[rows] if self.row_domains else (),
         )
 
 
 def collate(samples: Sequence[Sample], advantages: np.ndarray, pad_id: int) -> TrainBatch:
-    """Right-pad samples into tensors. Padding is never a target, so it never reaches the loss."""
+    """Right-pad samples into tensors. Padding is never a target and never a real token: it reaches
+    neither the loss nor the MoE balancing statistics."""
     longest = max(len(s.tokens) for s in samples)
     b = len(samples)
     input_ids = torch.full((b, longest), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(b, longest)
+    token_mask = torch.zeros(b, longest, dtype=torch.bool)
     behavior = torch.zeros(b, longest)
+    versions = torch.full((b, longest), -1, dtype=torch.long)
     routing = None
     if all(s.routing is not None for s in samples):
         first = samples[0].routing
         layers, top_k = first.shape[1], first.shape[2]
-        # Padding rows get experts 0..k-1: any valid distinct choice, never read by the loss.
-        routing = torch.arange(top_k).expand(b, longest, layers, top_k).clone()
+        routing = torch.full((b, longest, layers, top_k), -1, dtype=torch.long)  # -1: route as usual
     for i, s in enumerate(samples):
         n = len(s.tokens)
         input_ids[i, :n] = torch.tensor(s.tokens)
+        token_mask[i, :n] = True
         loss_mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         behavior[i, :n] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
+        versions[i, :n] = torch.tensor(s.token_versions, dtype=torch.long)
         if routing is not None:
             routing[i, : s.routing.shape[0]] = torch.from_numpy(s.routing.astype(np.int64))
     loss_mask[:, 0] = 0  # the first token has no prediction
-    return TrainBatch(input_ids, loss_mask, behavior, torch.as_tensor(advantages, dtype=torch.float32), routing)
+    return TrainBatch(input_ids, loss_mask, behavior, torch.as_tensor(advantages, dtype=torch.float32), routing,
+                      token_mask=token_mask, versions=versions, row_domains=tuple(s.domain for s in samples))
+
+
+def behaviour_weights(prox: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+                      cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token importance weights pi_prox / pi_behaviour shaped by the correction, and the
+    per-token 0/1 mask of what the correction kept (no gradient flows through either)."""
+    log_w = (prox - behaviour).detach() * mask
+    if cfg.is_level == "token":
+        log_w_used = log_w
+    else:
+        per_seq = log_w.sum(-1, keepdim=True)
+        if cfg.is_level == "geometric":
+            per_seq = per_seq / mask.sum(-1, keepdim=True).clamp_min(1.0)
+        log_w_used = per_seq.expand_as(log_w)
+    w = torch.exp(log_w_used.clamp(max=30.0))
+    kept = torch.ones_like(w)
+    if cfg.is_correction == "tis":
+        w = w.clamp(max=cfg.is_cap)
+    elif cfg.is_correction == "mis":
+        lo, hi = cfg.is_band
+        kept = ((w >= lo) & (w <= hi)).to(w.dtype)
+        w = w * kept
+    return w, kept
 
 
 def grpo_token_losses(
     logp: torch.Tensor, batch: TrainBatch, cfg: LossConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss [B, T] (unmasked) and per-token statistics, anchored on behaviour logprobs."""
+    """Per-token loss [B, T] (unmasked) and per-token statistics."""
     adv = batch.advantages[:, None]
-    log_ratio = logp - batch.behavior_logprobs
+    if cfg.proximal == "learner":
+        # the proximal policy is the learner's at the step's start: recomputed before the first
+        # update when a step makes several, else this very forward's values
+        prox = (logp if batch.prox_logprobs is None else batch.prox_logprobs).detach()
+        anchor = prox
+    else:
+        anchor = batch.behavior_logprobs
+    log_ratio = logp - anchor
     ratio = torch.exp(log_ratio.clamp(max=20.0))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
@@ -114,9 +172,13 @@ def grpo_token_losses(
         delta = batch.ref_logprobs - logp
         k3 = torch.exp(delta) - delta - 1
         # k3 as a loss alone biases the gradient; weighting by the ratio makes it unbiased.
-        kl = ratio * k3
-        loss = loss + cfg.kl_coef * kl
+        loss = loss + cfg.kl_coef * ratio * k3
         stats["kl"] = k3.detach()
+    if cfg.proximal == "learner":  # the tokens were drawn from the behaviour policy, not the proximal one
+        w, kept = behaviour_weights(anchor, batch.behavior_logprobs, batch.loss_mask, cfg)
+        loss = loss * w
+        stats["is_weight"] = w
+        stats["is_masked"] = 1.0 - kept
     stats["ratio"] = ratio.detach()
     stats["mismatch"] = (batch.behavior_logprobs - logp).detach().abs()
     return loss, stats
@@ -137,10 +199,20 @@ def loss_normaliser(batch: TrainBatch, cfg: LossConfig) -> float:
     return max(global_sum(float(len(batch))) * cfg.norm_len, 1.0)
 
 
+def split_rows(n: int, parts: int) -> list[slice]:
+    """`parts` contiguous, near-equal row ranges of n rows (fewer when n < parts)."""
+    bounds = np.linspace(0, n, min(parts, n) + 1).astype(int)
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
 def split_micro_batches(batch: TrainBatch, micro_batches: int) -> list[TrainBatch]:
-    n = len(batch)
-    bounds = np.linspace(0, n, min(micro_batches, n) + 1).astype(int)
-    return [batch.slice(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return [batch.slice(rows) for rows in split_rows(len(batch), micro_batches)]
+
+
+def policy_forward(model: torch.nn.Module, micro: TrainBatch):
+    """The learner's forward: token logprobs straight from the hidden states (no [tokens, vocab]
+    logits), the rollout's experts replayed, padding kept out of every statistic."""
+    return model(micro.input_ids, routing=micro.routing, return_token_logprobs=True, token_mask=micro.token_mask)
 
 
 def accumulate_policy_gradient(
@@ -150,12 +222,15 @@ def accumulate_policy_gradient(
     micro_batches: int,
     backward: Callable[[torch.Tensor], None] = lambda loss: loss.backward(),
 ) -> dict[str, float]:
-    """Forward/backward every micro-batch; gradients sum to those of the whole batch at once."""
+    """Forward/backward every micro-batch; gradients sum to those of the whole batch at once.
+    Returns token-mean statistics, including per-domain mismatch (`mismatch/domain/<d>`)."""
     normaliser = loss_normaliser(batch, cfg)
     totals: dict[str, float] = defaultdict(float)
-    for micro in split_micro_batches(batch, micro_batches):
-        # token logprobs straight from the hidden states: the [tokens, vocab] logits never exist
-        out = model(micro.input_ids, routing=micro.routing, return_token_logprobs=True)
+    is_weights: list[torch.Tensor] = []
+    domain_tokens: dict[str, float] = defaultdict(float)
+    for rows in split_rows(len(batch), micro_batches):
+        micro = batch.slice(rows)
+        out = policy_forward(model, micro)
         logp = out.token_logprobs
         losses, stats = grpo_token_losses(logp, micro, cfg)
         mask = micro.loss_mask
@@ -165,9 +240,24 @@ def accumulate_policy_gradient(
         totals["entropy"] += float((out.token_entropy * mask).sum())
         for name, value in stats.items():
             totals[name] += float((value * mask).sum())
+        if "is_weight" in stats:
+            is_weights.append(stats["is_weight"][mask > 0])
+        for r, domain in enumerate(micro.row_domains):
+            totals[f"mismatch/domain/{domain}"] += float((stats["mismatch"][r] * mask[r]).sum())
+            domain_tokens[domain] += float(mask[r].sum())
     tokens = float(batch.loss_mask.sum())
     metrics = {"loss": totals.pop("loss")}
     for name, value in totals.items():
-        metrics[name] = value / max(tokens, 1.0)
+        if name.startswith("mismatch/domain/"):
+            metrics[name] = value / max(domain_tokens[name.rsplit("/", 1)[1]], 1.0)
+        else:
+            metrics[name] = value / max(tokens, 1.0)
+    if "is_masked" in metrics:
+        metrics["is_masked_frac"] = metrics.pop("is_masked")
+    if is_weights and sum(w.numel() for w in is_weights):
+        w = torch.cat(is_weights).double()
+        metrics.pop("is_weight", None)
+        metrics.update({"is_weight_mean": float(w.mean()), "is_weight_std": float(w.std()) if w.numel() > 1 else 0.0,
+                        "is_weight_min": float(w.min()), "is_weight_max": float(w.max())})
     metrics["tokens"] = tokens
     return metrics

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from rl.grpo import LossConfig, accumulate_policy_gradient, collate, compute_advantages
-from rl.types import Sample
+from rl.config import TrainConfig
+from rl.grpo import LossConfig, accumulate_policy_gradient, collate, compute_advantages, policy_forward, split_rows
+from rl.types import RolloutBatch, Sample
 
 
 def free_port() -> int:
@@ -27,21 +29,24 @@ def init_single_process_group() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
-def sft_batch(examples: list[dict[str, list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sft_batch(examples: list[dict[str, list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [B, T] right-padded, loss mask [B, T] float, real-token mask [B, T] bool)."""
     longest = max(len(e["tokens"]) for e in examples)
     ids = torch.full((len(examples), longest), pad_id, dtype=torch.long)
     mask = torch.zeros(len(examples), longest)
+    real = torch.zeros(len(examples), longest, dtype=torch.bool)
     for i, e in enumerate(examples):
         ids[i, : len(e["tokens"])] = torch.tensor(e["tokens"])
         mask[i, : len(e["tokens"])] = torch.tensor(e["loss_mask"], dtype=torch.float32)
+        real[i, : len(e["tokens"])] = True
     mask[:, 0] = 0
-    return ids, mask
+    return ids, mask, real
 
 
 class Learner:
-    def __init__(self, model_spec: dict[str, Any], train_cfg: dict[str, Any], loss_cfg: LossConfig,
+    def __init__(self, model_spec: dict[str, Any], train_cfg: TrainConfig, loss_cfg: LossConfig,
                  temperature: float, pad_id: int, seed: int) -> None:
-        torch.set_num_threads(train_cfg["threads"])
+        torch.set_num_threads(train_cfg.threads)
         init_single_process_group()
         import deepspeed
         from policy import build_model
@@ -62,19 +67,21 @@ class Learner:
             self.reference = build_model(model_spec["preset"], **model_spec["overrides"])
             self.reference.load_state_dict(model.state_dict())
             self.reference.requires_grad_(False).eval()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg["lr"], betas=tuple(train_cfg["betas"]),
-                                      weight_decay=train_cfg["weight_decay"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
+                                      weight_decay=train_cfg.weight_decay)
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": train_cfg["micro_batches"],
-            "gradient_clipping": train_cfg["grad_clip"],
-            "zero_optimization": {"stage": train_cfg["zero_stage"]},
+            "gradient_accumulation_steps": train_cfg.micro_batches,
+            "gradient_clipping": train_cfg.grad_clip,
+            "zero_optimization": {"stage": train_cfg.zero_stage},
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-        self.version = 0
+        self.optimizer_steps = 0
+        self.policy_version = 0  # GRPO batches trained on (the weights' version label)
+        self._last_train_end: float | None = None
 
     # -- weights ---------------------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
@@ -93,7 +100,7 @@ class Learner:
     def _complete_accumulation(self, micro_steps_done: int) -> float:
         """Pad to the configured micro-batch count (a small batch may split into fewer), take
         DeepSpeed's optimizer step at the boundary, then run the model's post-step hooks."""
-        for _ in range(self.cfg["micro_batches"] - micro_steps_done):
+        for _ in range(self.cfg.micro_batches - micro_steps_done):
             self._micro_backward(sum((p * 0).sum() for p in self.engine.module.parameters()))
         grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
         norm = float(torch.stack(grads).norm()) if grads else None  # before clipping
@@ -102,7 +109,7 @@ class Learner:
             reported = self.engine.get_global_grad_norm()
             norm = float(reported) if reported is not None else float("nan")
         self.engine.module.after_optimizer_step()
-        self.version += 1
+        self.optimizer_steps += 1
         return norm
 
     # -- supervised warm-up ----------------------------------------------------------------------
@@ -110,68 +117,97 @@ class Learner:
         """One cross-entropy step on reference episodes (the policy's own tokens only)."""
         self._set_lr(lr)
         self.engine.train()
-        ids, mask = sft_batch(examples, self.pad_id)
+        ids, mask, real = sft_batch(examples, self.pad_id)
         total_tokens = max(float(mask.sum()), 1.0)
         loss_total, done = 0.0, 0
-        bounds = np.linspace(0, len(ids), min(self.cfg["micro_batches"], len(ids)) + 1).astype(int)
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            logp = self.engine(ids[a:b], return_token_logprobs=True).token_logprobs
-            loss = -(logp * mask[a:b]).sum() / total_tokens
+        for rows in split_rows(len(ids), self.cfg.micro_batches):
+            logp = self.engine(ids[rows], return_token_logprobs=True, token_mask=real[rows]).token_logprobs
+            loss = -(logp * mask[rows]).sum() / total_tokens
             self._micro_backward(loss)
             loss_total += float(loss.detach())
             done += 1
         grad_norm = self._complete_accumulation(done)
-        self._set_lr(self.cfg["lr"])
+        self._set_lr(self.cfg.lr)
         return {"sft/loss": loss_total, "sft/grad_norm": grad_norm, "sft/tokens": total_tokens}
 
     # -- GRPO ------------------------------------------------------------------------------------
-    def train_step(self, samples: list[Sample], std_norm: str, filter_uniform: bool) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
+        """One GRPO step on a batch of whole groups; returns metrics and the MoE expert load."""
+        started = time.monotonic()
+        idle = None if self._last_train_end is None else started - self._last_train_end
+        samples = batch.samples
         self.engine.train()
-        keys = [s.group_uid for s in samples]
-        adv = compute_advantages([s.reward for s in samples], keys, std_norm)
-        metrics: dict[str, float] = {}
-        if filter_uniform:
-            # A group whose rewards all agree has zero advantages: it only dilutes the token mean.
-            informative = {k for k, a in zip(keys, adv) if a != 0}
-            keep = [i for i, k in enumerate(keys) if k in informative]
-            metrics["train/groups_filtered"] = float(len(set(keys)) - len(informative))
-            samples, adv = [samples[i] for i in keep], adv[keep]
-        if not samples:
+        metrics: dict[str, float] = {"train/groups": float(len({s.group_uid for s in samples}))}
+        if idle is not None:
+            metrics["time/learner_wait_s"] = idle
+        metrics.update(staleness_metrics(samples, batch.step))
+        adv = compute_advantages([s.reward for s in samples], [s.group_uid for s in samples], self.cfg.adv_std_norm)
+        if not samples or not np.any(adv != 0):
             # Nothing to learn from: no optimizer step (AdamW's momentum would still move the
             # weights on a zero gradient); the version advances so every step has its own.
-            self.version += 1
+            self.policy_version = batch.step + 1
+            self._last_train_end = time.monotonic()
             metrics.update({"train/tokens": 0.0, "train/skipped": 1.0})
-            return metrics
-        batch = collate(samples, adv, self.pad_id)
+            return {"metrics": metrics, "moe_load": None}
+        full = collate(samples, adv, self.pad_id)
         policy = _TemperatureScaled(self.engine, self.temperature)
         if self.reference is not None:
             with torch.no_grad():
                 ref = _TemperatureScaled(self.reference, self.temperature)
-                out = ref(batch.input_ids, routing=batch.routing, return_token_logprobs=True)
-                batch.ref_logprobs = out.token_logprobs
-        done = {"n": 0}
+                full.ref_logprobs = torch.cat([policy_forward(ref, full.slice(r)).token_logprobs
+                                               for r in split_rows(len(full), self.cfg.micro_batches)])
+        if self.loss_cfg.proximal == "learner" and self.cfg.updates_per_step > 1:
+            # decoupled PPO: the proximal policy is the one this step starts from
+            with torch.no_grad():
+                full.prox_logprobs = torch.cat([policy_forward(policy, full.slice(r)).token_logprobs
+                                                for r in split_rows(len(full), self.cfg.micro_batches)])
+        totals: dict[str, float] = {}
+        moe_load: dict[int, list[float]] = {}
+        agreements: list[float] = []
+        updates = group_rows(samples, self.cfg.updates_per_step)
+        for rows in updates:
+            part = full.slice(rows)
+            done = {"n": 0}
 
-        def backward(loss: torch.Tensor) -> None:
-            self._micro_backward(loss)
-            done["n"] += 1
+            def backward(loss: torch.Tensor) -> None:
+                self._micro_backward(loss)
+                done["n"] += 1
 
-        stats = accumulate_policy_gradient(policy, batch, self.loss_cfg, self.cfg["micro_batches"], backward)
-        metrics["train/grad_norm"] = self._complete_accumulation(done["n"])
+            stats = accumulate_policy_gradient(policy, part, self.loss_cfg, self.cfg.micro_batches, backward)
+            module = self.engine.module
+            moe = module.moe_statistics() if hasattr(module, "moe_statistics") else {"load": {}}
+            stats["grad_norm"] = self._complete_accumulation(done["n"])
+            for layer, load in moe["load"].items():
+                moe_load[layer] = [a + b / self.cfg.updates_per_step for a, b in
+                                   zip(moe_load.get(layer, [0.0] * len(load)), load)]
+            if moe.get("routing_agreement") is not None:
+                agreements.append(moe["routing_agreement"])
+            merge_update_stats(totals, stats, float(part.loss_mask.sum()) / max(float(full.loss_mask.sum()), 1.0),
+                               1.0 / len(updates))
         metrics["train/advantage_abs"] = float(np.abs(adv).mean())
-        for name, value in stats.items():
+        for name, value in totals.items():
             metrics[f"train/{name}"] = value
-        return metrics
+        if agreements:
+            metrics["train/routing_agreement"] = float(np.mean(agreements))
+        for layer, load in moe_load.items():
+            metrics[f"moe/imbalance/layer{layer}"] = max(load) * len(load) if load else 0.0
+        self.policy_version = batch.step + 1
+        self._last_train_end = time.monotonic()
+        metrics["time/learner_step_s"] = self._last_train_end - started
+        return {"metrics": metrics, "moe_load": moe_load or None}
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(directory, tag=tag, client_state={**client_state, "version": self.version})
         from policy import save_pretrained
 
+        state = {**client_state, "optimizer_steps": self.optimizer_steps, "policy_version": self.policy_version}
+        self.engine.save_checkpoint(directory, tag=tag, client_state=state)
         save_pretrained(self.engine.module, str(Path(directory) / tag / "hf"))
 
     def load(self, directory: str, tag: str) -> dict[str, Any]:
         _, client_state = self.engine.load_checkpoint(directory, tag=tag)
-        self.version = int(client_state["version"])
+        self.optimizer_steps = int(client_state["optimizer_steps"])
+        self.policy_version = int(client_state["policy_version"])
         return client_state
 
     def shutdown(self) -> None:
@@ -179,6 +215,41 @@ class Learner:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def merge_update_stats(totals: dict[str, float], stats: dict[str, float], token_share: float,
+                       update_share: float) -> None:
+    """Combine one update's statistics into the step's: token means by token share, sums and
+    counts added, extremes kept, the gradient norm averaged over updates."""
+    for name, value in stats.items():
+        if name.endswith("_min"):
+            totals[name] = min(totals.get(name, value), value)
+        elif name.endswith("_max"):
+            totals[name] = max(totals.get(name, value), value)
+        elif name in ("loss", "tokens"):
+            totals[name] = totals.get(name, 0.0) + value
+        elif name == "grad_norm":
+            totals[name] = totals.get(name, 0.0) + update_share * value
+        else:
+            totals[name] = totals.get(name, 0.0) + token_share * value
+
+
+def group_rows(samples: list[Sample], parts: int) -> list[slice]:
+    """Row ranges for `parts` mini-batches that never split a group (samples come group by group)."""
+    starts = [i for i, s in enumerate(samples) if i == 0 or s.group_uid != samples[i - 1].group_uid]
+    cuts = [starts[j] for j in np.linspace(0, len(starts), min(parts, len(starts)) + 1).astype(int)[:-1]]
+    return [slice(a, b) for a, b in zip(cuts, cuts[1:] + [len(samples)])]
+
+
+def staleness_metrics(samples: list[Sample], step: int) -> dict[str, float]:
+    """How many policy versions behind the trained weights each sample's oldest token is."""
+    if not samples:
+        return {}
+    lags = np.array([step - s.weight_version for s in samples])
+    out = {"async/staleness_mean": float(lags.mean()), "async/staleness_max": float(lags.max())}
+    for lag in np.unique(lags):
+        out[f"async/staleness/{int(lag)}"] = float((lags == lag).mean())
+    return out
 
 
 class _TemperatureScaled(torch.nn.Module):

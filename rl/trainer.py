@@ -1,5 +1,5 @@
-"""The driver of `rl train`: run folder, tokenizer, quality gate, warm-up, the GRPO loop with
-weight pushes and checkpoints, and the before/after evaluation table."""
+"""The driver of `rl train`: run folder, tokenizer, quality gate, warm-up, the GRPO loop (batches
+from the scheduler, learner steps, weight pushes, checkpoints) and the before/after evaluation."""
 from __future__ import annotations
 
 import json
@@ -14,41 +14,14 @@ import ray
 from rl.cluster import RunActors, env_kwargs, model_spec, start_env_side, start_policy_side, start_ray
 from rl.config import RunConfig, dump_config, load_config
 from rl.errors import RunRefused
-from rl.rollout.layout import episode_texts, reference_example
 from rl.evaluation import effort_table, eval_table, summarise_eval
-from rl.metrics import MetricsLogger, rollout_metrics
+from rl.metrics import MetricsLogger
 from rl.progress import StepProgress
-from rl.types import Sample, env_worker_index
-
-CHECKPOINTS = "checkpoints"
-
-
-def new_run_dir(cfg: RunConfig) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(cfg.output_dir) / f"{cfg.name}-{stamp}"
-    run_dir, n = base, 1
-    while run_dir.exists():
-        n += 1
-        run_dir = base.with_name(f"{base.name}-{n}")
-    run_dir.mkdir(parents=True)
-    return run_dir
-
-
-def rollout_record(step: int, s: Sample) -> dict[str, Any]:
-    """One line of rollouts.jsonl: what the sample was asked, what it did and how it was graded."""
-    return {"step": step, "uid": s.uid, "group": s.group_uid, "env": s.env, "domain": s.domain,
-            "task_id": s.task_id, "effort": s.effort, "reward": s.reward, "passed": s.passed,
-            "version": s.weight_version, "tokens": s.response_tokens, "turns": s.num_turns,
-            "truncated": s.truncated, "error": s.grade_error, "grade": s.grade_details,
-            "transcript": s.transcript}
-
-
-def latest_checkpoint(run_dir: Path) -> tuple[str, int] | None:
-    marker = run_dir / CHECKPOINTS / "latest"
-    if not marker.exists():
-        return None
-    tag = marker.read_text().strip()
-    return tag, int(tag.split("_")[1])
+from rl.rollout.layout import episode_texts, reference_example
+from rl.rollout.scheduler import item_from_dict
+from rl.run_folder import (CHECKPOINTS, append_jsonl, latest_checkpoint, new_run_dir, read_json,
+                           rewind_step_logs)
+from rl.types import env_worker_index
 
 
 class Trainer:
@@ -59,7 +32,6 @@ class Trainer:
         self.console = console
         self.run_id = run_dir.name
         self.actors: RunActors | None = None
-        self.version = 0
         self._started_ray = False
         self._env_workers: list = []
 
@@ -105,9 +77,10 @@ class Trainer:
                                  f"fix it or set gate.allow_failing=true")
         (self.run_dir / "gate.json").write_text(json.dumps(reports, indent=1))
 
-    def _push_weights(self) -> None:
+    def _push_weights(self, version: int) -> float:
+        """The learner's weights to every rollout worker, labelled `version` (GRPO steps trained)."""
         ref = self.actors.learner.get_weights.remote()
-        ray.get(self.actors.scheduler.set_weights.remote([ref], self.version))
+        return ray.get(self.actors.scheduler.set_weights.remote([ref], version))
 
     # -- phases ----------------------------------------------------------------------------------
     def _warmup(self, examples: list[dict[str, list[int]]], logger: MetricsLogger) -> None:
@@ -121,14 +94,13 @@ class Trainer:
                 progress.advance(f"loss {metrics['sft/loss']:.3f}")
                 if i == w.steps - 1 or i % 10 == 0:
                     logger.log(-w.steps + i, metrics)
-        self.version += w.steps
 
     def _evaluate(self, tag: str) -> dict[str, Any]:
         e = self.cfg.eval
         envs = [entry.name for entry in self.cfg.envs]
-        result = ray.get(self.actors.scheduler.evaluate.remote(envs, e.efforts, e.tasks_per_env,
-                                                                   e.samples_per_task, e.temperature, tag))
-        summary = summarise_eval(result["samples"])
+        samples = ray.get(self.actors.scheduler.evaluate.remote(envs, e.efforts, e.tasks_per_env,
+                                                                e.samples_per_task, e.temperature, tag))
+        summary = summarise_eval(samples)
         (self.run_dir / f"eval_{tag}.json").write_text(json.dumps(summary, indent=1))
         return summary
 
@@ -137,22 +109,27 @@ class Trainer:
         tag = f"step_{step}"
         ray.get(self.actors.learner.save.remote(str(ckpt_root), tag, {"step": step}))
         shutil.copytree(self.run_dir / "tokenizer", ckpt_root / tag / "hf" / "tokenizer", dirs_exist_ok=True)
+        # the stream's position and the groups issued but not trained on: a resumed run plays them again
+        snapshot = ray.get(self.actors.scheduler.snapshot.remote())
+        (ckpt_root / tag / "scheduler.json").write_text(json.dumps(snapshot))
         (ckpt_root / "latest").write_text(tag)
         tags = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
         for old in tags[: -self.cfg.checkpoint.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def _restore(self) -> tuple[int, dict[str, Any] | None] | None:
-        """Load the newest checkpoint of a resumed run: (first step to run, the "before" eval)."""
+    def _restore(self) -> tuple[int, dict[str, Any]] | None:
+        """Load the newest checkpoint of a resumed run: (first step to run, scheduler snapshot).
+        The step logs lose what was written after the checkpoint (those steps run again)."""
         found = latest_checkpoint(self.run_dir) if self.resume else None
         if not found:
             return None
         tag, step = found
-        state = ray.get(self.actors.learner.load.remote(str(self.run_dir / CHECKPOINTS), tag))
-        self.version = int(state["version"])
-        self.say(f"resumed from {tag}: continuing at step {step + 1}")
-        path = self.run_dir / "eval_before.json"
-        return step + 1, (json.loads(path.read_text()) if path.exists() else None)
+        ray.get(self.actors.learner.load.remote(str(self.run_dir / CHECKPOINTS), tag))
+        rewind_step_logs(self.run_dir, step)
+        snapshot = read_json(self.run_dir / CHECKPOINTS / tag / "scheduler.json") or {"next_index": 0, "pending": []}
+        if step + 1 < self.cfg.train.steps:
+            self.say(f"resumed from {tag}: continuing at step {step + 1}")
+        return step + 1, snapshot
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -174,24 +151,30 @@ class Trainer:
             logger = MetricsLogger(self.run_dir, cfg.logging.wandb_mode, cfg.logging.wandb_project, self.run_id,
                                    cfg.model_dump(mode="json"), resume=self.resume)
             restored = self._restore()
+            before = read_json(self.run_dir / "eval_before.json")
             if restored:
-                start_step, before = restored
-                self._push_weights()
+                start_step, snapshot = restored
+                finished = read_json(self.run_dir / "eval_after.json")
+                if start_step >= cfg.train.steps and (finished is not None or not cfg.eval.before_and_after):
+                    self.say(f"the run already finished its {cfg.train.steps} steps; nothing to do "
+                             f"(pass train.steps=N to train further)")
+                    self._print_tables(before, finished)
+                    return {"run_dir": str(self.run_dir), "before": before, "after": finished,
+                            "steps": cfg.train.steps}
+                self._push_weights(start_step)
             else:
-                start_step = 0
+                start_step, snapshot = 0, {"next_index": 0, "pending": []}
                 if cfg.warmup.steps:
                     levels = [lvl for lvl, w in cfg.effort.weights.items() if w > 0]
                     rng = random.Random(cfg.seed)
                     examples = [reference_example(tok, ep["messages"], ep["turns"], rng.choice(levels))
                                 for eps in episodes.values() for ep in eps]
                     self._warmup(examples, logger)
-                self._push_weights()
+                self._push_weights(0)
                 before = self._evaluate("before") if cfg.eval.before_and_after else None
-            self._train_loop(start_step, logger)
+            self._train_loop(start_step, snapshot, logger)
             after = self._evaluate("after") if cfg.eval.before_and_after else None
-            if after is not None and self.console is not None:
-                self.console.print(eval_table(before, after))
-                self.console.print(effort_table(before, after))
+            self._print_tables(before, after)
             return {"run_dir": str(self.run_dir), "before": before, "after": after, "steps": cfg.train.steps}
         finally:
             if logger is not None:
@@ -204,41 +187,78 @@ class Trainer:
             if self._started_ray:
                 ray.shutdown()
 
-    def _train_loop(self, start_step: int, logger: MetricsLogger) -> None:
-        cfg = self.cfg
+    def _print_tables(self, before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
+        if after is not None and self.console is not None:
+            self.console.print(eval_table(before, after))
+            self.console.print(effort_table(before, after))
+
+    def _train_loop(self, start_step: int, snapshot: dict[str, Any], logger: MetricsLogger) -> None:
+        cfg, actors = self.cfg, self.actors
         progress = StepProgress("GRPO", cfg.train.steps, completed=start_step, enabled=cfg.logging.progress)
-        rollouts_log = self.run_dir / "rollouts.jsonl"
+        pending = [item_from_dict(d) for d in snapshot["pending"]]
+        ray.get(actors.scheduler.start_training.remote(snapshot["next_index"], pending))
+        busy = _EngineClock(actors.rollout_workers)
         with progress:
             for step in range(start_step, cfg.train.steps):
                 t0 = time.monotonic()
-                result = ray.get(self.actors.scheduler.collect.remote(step, cfg.rollout.groups_per_step))
-                samples = result["samples"]
-                metrics = rollout_metrics(samples, self.version)
-                gen_tokens = sum(s.response_tokens for s in samples)
-                metrics["rollout/tokens_per_s"] = gen_tokens / max(result["seconds"], 1e-9)
-                metrics["rollout/reissued"] = float(result["reissued"])
-                metrics["rollout/failed_groups"] = float(result["failed_groups"])
-                if result["failed_groups"]:
-                    self.say(f"step {step}: {result['failed_groups']} group(s) failed and were left out; "
-                             f"latest: {result['errors'][-1]}")
-                metrics["time/rollout_s"] = result["seconds"]
+                batch_ref, report = ray.get(actors.scheduler.next_batch.remote(step))
                 t1 = time.monotonic()
-                metrics.update(ray.get(self.actors.learner.train_step.remote(
-                    samples, cfg.train.adv_std_norm, cfg.train.filter_uniform_groups)))
-                self.version += 1
-                metrics["time/train_s"] = time.monotonic() - t1
-                self._push_weights()
-                metrics["time/step_s"] = time.monotonic() - t0
-                metrics["weights/version"] = float(self.version)
+                trained = ray.get(actors.learner.train_step.remote(batch_ref[0]))  # resolved by Ray, never here
+                t2 = time.monotonic()
+                sync_s = self._push_weights(step + 1)
+                t3 = time.monotonic()
+                metrics = {**report.metrics, **trained["metrics"]}
+                samples = len(report.records)  # every sample played for this step, trained or dropped
+                tokens = sum(r["tokens"] for r in report.records)
+                metrics.update({
+                    "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": sync_s, "time/step_s": t3 - t0,
+                    "time/learner_idle_frac": (t1 - t0 + t3 - t2) / max(t3 - t0, 1e-9),
+                    "time/rollout_idle_frac": busy.idle_fraction(),
+                    "throughput/samples_per_s": samples / max(t3 - t0, 1e-9),
+                    "throughput/tokens_per_s": tokens / max(t3 - t0, 1e-9),
+                    "rollout/tokens_per_s": tokens / max(t3 - t0, 1e-9),
+                    "weights/version": float(step + 1),
+                })
                 logger.log(step, metrics)
-                with rollouts_log.open("a") as f:
-                    for s in samples:
-                        f.write(json.dumps(rollout_record(step, s), default=str) + "\n")
+                append_jsonl(self.run_dir / "rollouts.jsonl", report.records)
+                if trained["moe_load"]:
+                    layers = sorted(trained["moe_load"])
+                    append_jsonl(self.run_dir / "moe_load.jsonl", [
+                        {"step": step, "layers": layers, "load": [trained["moe_load"][i] for i in layers]}])
+                self._say_problems(step, report, metrics)
                 if (step + 1) % cfg.checkpoint.every == 0 or step == cfg.train.steps - 1:
                     self._save(step)
                 progress.advance(f"reward {metrics['rollout/reward']:.3f}  kl {metrics.get('train/kl', 0.0):.4f}  "
                                  f"mismatch {metrics.get('train/mismatch', 0.0):.4f}  "
-                                 f"{metrics['rollout/tokens_per_s']:.0f} tok/s")
+                                 f"{metrics['throughput/samples_per_s']:.1f} samples/s")
+        ray.get(actors.scheduler.stop_training.remote())
+
+    def _say_problems(self, step: int, report, metrics: dict[str, float]) -> None:
+        """Failed groups and ungraded samples are said on the console, not only logged."""
+        failed = int(metrics.get("rollout/failed_groups", 0))
+        if failed:
+            self.say(f"step {step}: {failed} group(s) failed and were left out; latest: {report.errors[-1]}")
+        errors = [r for r in report.records if r["error"]]
+        if errors:
+            self.say(f"step {step}: {len(errors)} sample(s) could not be graded and scored 0; "
+                     f"latest ({errors[-1]['env']}): {errors[-1]['error']}")
+
+
+class _EngineClock:
+    """The rollout engines' idle share since the last call (forward passes and sampling are busy)."""
+
+    def __init__(self, workers: list) -> None:
+        self.workers = workers
+        self.last = self._read()
+
+    def _read(self) -> tuple[float, float]:
+        stats = ray.get([w.stats.remote() for w in self.workers])
+        return time.monotonic(), sum(s.busy_s for s in stats)
+
+    def idle_fraction(self) -> float:
+        (t0, b0), (t1, b1) = self.last, self._read()
+        self.last = (t1, b1)
+        return max(0.0, 1.0 - (b1 - b0) / max((t1 - t0) * len(self.workers), 1e-9))
 
 
 def train(config_path: str | None, overrides: list[str], resume: str | None = None, console=None) -> dict[str, Any]:

@@ -96,13 +96,16 @@ class KDAMixer(nn.Module):
         proj = F.linear(x, torch.cat([p.weight for p in first]))
         return tuple(proj.split([sum(sizes[:3])] + sizes[3:], dim=-1))
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None,
-                use_cache: bool = False) -> tuple[torch.Tensor, KDACache | None]:
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None, use_cache: bool = False,
+                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, KDACache | None]:
+        """token_mask [B, T] bool (right padding): padded positions neither decay nor write the
+        recurrent state (gate 0, beta 0), so the final state is each row's after its last real token."""
         B, T, _ = x.shape
         qkv, f_a, b, g_in = self._project(x)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         window = None if cache is None else cache.conv
-        qkv, new_window = short_conv(qkv, weight, window=window)
+        lengths = None if token_mask is None else token_mask.sum(1)
+        qkv, new_window = short_conv(qkv, weight, window=window, lengths=lengths)
         qk = self.H * self.K
         q = qkv[..., :qk].reshape(B, T, self.H, self.K)
         k = qkv[..., qk:2 * qk].reshape(B, T, self.H, self.K)
@@ -113,6 +116,9 @@ class KDAMixer(nn.Module):
         beta = torch.sigmoid(b.float())
         if self.neg_eigval:
             beta = 2.0 * beta  # eigenvalues of (I - beta k k^T) in [-1, 1]
+        if token_mask is not None:
+            g = g * token_mask[:, :, None, None].to(g.dtype)
+            beta = beta * token_mask[:, :, None].to(beta.dtype)
         state = None if cache is None else cache.state
         o, final = kda(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
         gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)

@@ -128,14 +128,16 @@ class MLAMixer(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, use_cache: bool = False,
-                indexer_loss: bool = False) -> tuple[torch.Tensor, MLACache | None, torch.Tensor | None]:
+                indexer_loss: bool = False, token_mask: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, MLACache | None, torch.Tensor | None]:
+        """token_mask [B, T] bool (right padding): padded tokens enter the cache as invalid keys."""
         B, T, _ = x.shape
         q, q_in = self._query(x)
         latent, k_rope = self._new_latents(x)
         idx_k = self.indexer.keys(x.detach()) if self.sparse else None
         if cache is None:
             cache = self.empty_cache(B, x.device, latent.dtype)
-        full = cache.append(latent, k_rope, idx_k)
+        full = cache.append(latent, k_rope, idx_k, valid=token_mask)
         S, past = full.seq_len, cache.seq_len
 
         # decode steps attend in the latent space (weights absorbed into q and the output) when

@@ -95,11 +95,14 @@ class StackedExperts(nn.Module):
         return torch.zeros(n_tok, out.shape[-1], device=z.device, dtype=torch.float32).index_add_(0, tok, weighted)
 
 
-def expert_counts(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Tokens per expert. Not torch.bincount: on CUDA it reads the largest id back to the host,
-    a sync that stalls the launch queue at every MoE layer."""
-    counts = torch.zeros(n_experts, dtype=torch.long, device=expert_ids.device)
-    return counts.index_add_(0, expert_ids, torch.ones_like(expert_ids))
+def expert_counts(expert_ids: torch.Tensor, n_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens per expert (each counted with `weight`, default 1). Not torch.bincount: on CUDA it
+    reads the largest id back to the host, a sync that stalls the launch queue at every MoE layer."""
+    if weight is None:
+        counts = torch.zeros(n_experts, dtype=torch.long, device=expert_ids.device)
+        return counts.index_add_(0, expert_ids, torch.ones_like(expert_ids))
+    counts = torch.zeros(n_experts, dtype=weight.dtype, device=expert_ids.device)
+    return counts.index_add_(0, expert_ids, weight)
 
 
 def _grouped_mm_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -128,25 +131,38 @@ class LatentMoE(nn.Module):
         self.register_buffer("load", torch.zeros(self.n_experts), persistent=False)
         self.register_buffer("quantile_shift", torch.zeros(self.n_experts), persistent=False)
         self.register_buffer("n_stat", torch.zeros(()), persistent=False)
+        self.register_buffer("replay_agree", torch.zeros(()), persistent=False)
+        self.register_buffer("replay_total", torch.zeros(()), persistent=False)
 
-    def route(self, x: torch.Tensor, routing: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, d] -> (weights [N, k] float32, indices [N, k] long). `routing` replays indices."""
+    def route(self, x: torch.Tensor, routing: torch.Tensor | None = None,
+              real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, d] -> (weights [N, k] float32, indices [N, k] long). `routing` replays indices
+        (-1: not recorded, choose as usual); `real` [N] bool: the tokens the balancing statistics
+        count (padding is routed but never counted)."""
         scores = self.gate(x)
-        if routing is None:
-            with torch.no_grad():
-                idx = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1).indices
-        else:
-            idx = routing
+        with torch.no_grad():
+            idx = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1).indices
+        if routing is not None:
+            if self.training:  # how often the learner's own choice equals the rollout's (the set of k)
+                with torch.no_grad():
+                    recorded = (routing >= 0).all(-1)
+                    same = (routing.sort(-1).values == idx.sort(-1).values).all(-1)
+                    self.replay_agree += (same & recorded).sum()
+                    self.replay_total += recorded.sum()
+            idx = torch.where(routing >= 0, routing, idx)
         w = scores.gather(1, idx)
         if self.renorm:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         if self.training:  # replayed routing counts too: it is the load the step actually used
-            self._record(scores.detach(), idx)
+            self._record(scores.detach(), idx, real)
         return w * self.scaling, idx
 
     @torch.no_grad()
-    def _record(self, scores: torch.Tensor, idx: torch.Tensor) -> None:
-        self.load += expert_counts(idx.reshape(-1), self.n_experts).to(self.load.dtype)
+    def _record(self, scores: torch.Tensor, idx: torch.Tensor, real: torch.Tensor | None) -> None:
+        weight = None if real is None else real.to(self.load.dtype)[:, None].expand_as(idx).reshape(-1)
+        self.load += expert_counts(idx.reshape(-1), self.n_experts, weight).to(self.load.dtype)
+        if self.balance == "quantile" and real is not None:
+            scores = scores[real]  # the quantiles are over real tokens (a host sync; "bias" needs none)
         if self.balance == "quantile" and scores.shape[0] > 0:
             n_tok = scores.shape[0]
             biased = scores + self.gate.e_score_correction_bias
@@ -171,15 +187,20 @@ class LatentMoE(nn.Module):
         self.load.zero_()
         self.quantile_shift.zero_()
         self.n_stat.zero_()
+        self.replay_agree.zero_()
+        self.replay_total.zero_()
 
-    def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, T, d]; routing: [B, T, k] or None. Returns (y [B, T, d], indices [B, T, k])."""
+    def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, d]; routing: [B, T, k] or None; token_mask [B, T] bool: real tokens.
+        Returns (y [B, T, d], indices [B, T, k])."""
         B, T, d = x.shape
         flat = x.reshape(-1, d)
         r = None
         if routing is not None:
             r = routing.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
-        w, idx = self.route(flat, r)
+        real = None if token_mask is None else token_mask.reshape(-1).to(x.device)
+        w, idx = self.route(flat, r, real)
         z = self.routed_expert_down_proj(flat) if self.latent is not None else flat
         y = self.experts(z, w, idx)
         y = y.to(x.dtype)

@@ -74,7 +74,7 @@ class RolloutEngine(abc.ABC):
         """Append `append` (environment tokens; may be empty) to the sequence, then sample one turn."""
 
     @abc.abstractmethod
-    def finish(self, seq_id: str) -> SequenceRecord:
+    async def finish(self, seq_id: str) -> SequenceRecord:
         """Close a sequence (also one in the middle of a turn: that turn is abandoned) and free its
         memory; returns what the engine recorded for it."""
 

@@ -1,18 +1,53 @@
 """Environment worker: a Ray actor that hosts live episodes (one environment instance and, when the
 environment needs one, one sandbox each) and sends finished episodes to the grader pool.
 
-Environment instances are reused across episodes (building one can mean generating its dataset);
-sandboxes never are: each episode takes a fresh one from a pool that keeps some warm."""
+It serves many rollout workers' episodes at once (a threaded actor): one episode's slow tool call
+or grading never stalls another's. Environment instances are reused across episodes (building one
+can mean generating its dataset); sandboxes never are: each episode takes a fresh one from a pool
+that keeps some warm."""
 from __future__ import annotations
 
+import threading
 import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
+from envs.grades import Grade
 from rl.types import WorkItem
 
 
-def failed_grade(error: str) -> dict[str, Any]:
-    return {"reward": 0.0, "passed": False, "error": error, "grader_version": "", "details": {}}
+@dataclass
+class EpisodeStart:
+    messages: list[dict[str, str]]  # what every member of the group sees first
+    domain: str
+    max_turns: int
+
+
+@dataclass
+class StepReply:
+    observation: str | None  # the tool's output, the next thing the policy reads
+    done: bool
+    truncated: bool
+
+
+@dataclass
+class EpisodeEnd:
+    grade: Grade
+    transcript: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class EnvHealth:
+    """Counts since the worker started, for the environment-health metrics."""
+
+    env_errors: dict[str, int] = field(default_factory=dict)
+    grade_errors: dict[str, int] = field(default_factory=dict)
+    grade_timeouts: dict[str, int] = field(default_factory=dict)
+    sandboxes_live: int = 0
+
+
+def _failed(error: str) -> Grade:
+    return Grade.failed("", error)
 
 
 class EnvWorker:
@@ -27,35 +62,42 @@ class EnvWorker:
         self.run_name = run_name
         self.sandbox_backend = sandbox_backend
         self.warm_sandboxes = warm_sandboxes
+        self._lock = threading.Lock()  # guards the bookkeeping below (calls arrive on many threads)
         self.episodes: dict[str, tuple[str, Any]] = {}  # episode id -> (environment name, instance)
         self.sandboxes: dict[str, Any] = {}
         self._idle_envs: dict[str, list[Any]] = {name: [] for name in env_specs}
         self._sandbox_pool = None  # started on the first episode that needs a sandbox
         self.errors: dict[str, str] = {}  # episode id -> why its environment failed
+        self.health = EnvHealth()
         self._templates = {name: envs.make(name, **kwargs) for name, kwargs in env_specs.items()}
 
     def task_ids(self, env: str, split: str) -> list[str]:
         return list(self._templates[env].dataset(split)["task_id"])
 
     def _sandboxes(self):
-        if self._sandbox_pool is None:
-            from sandbox import SandboxPool
+        with self._lock:
+            if self._sandbox_pool is None:
+                from sandbox import SandboxPool
 
-            self._sandbox_pool = SandboxPool(backend=self.sandbox_backend, warm=self.warm_sandboxes,
-                                             max_live=max(64, 4 * self.warm_sandboxes), labels={"run": self.run_name})
-        return self._sandbox_pool
+                self._sandbox_pool = SandboxPool(backend=self.sandbox_backend, warm=self.warm_sandboxes,
+                                                 max_live=max(64, 4 * self.warm_sandboxes),
+                                                 labels={"run": self.run_name})
+            return self._sandbox_pool
 
     def _open(self, env_name: str, episode_id: str):
-        idle = self._idle_envs[env_name]
-        env = idle.pop() if idle else self._envs.make(env_name, **self.env_specs[env_name])
-        sandbox = None
-        if env.needs_sandbox:
-            sandbox = self._sandboxes().acquire(labels={"episode": episode_id})
-            self.sandboxes[episode_id] = sandbox
-        self.episodes[episode_id] = (env_name, env)
+        with self._lock:
+            idle = self._idle_envs[env_name]
+            env = idle.pop() if idle else None
+        if env is None:
+            env = self._envs.make(env_name, **self.env_specs[env_name])
+        sandbox = self._sandboxes().acquire(labels={"episode": episode_id}) if env.needs_sandbox else None
+        with self._lock:
+            if sandbox is not None:
+                self.sandboxes[episode_id] = sandbox
+            self.episodes[episode_id] = (env_name, env)
         return env, sandbox
 
-    def reset_group(self, item: WorkItem, episode_ids: list[str]) -> dict[str, Any]:
+    def reset_group(self, item: WorkItem, episode_ids: list[str]) -> EpisodeStart:
         """Start one episode per id on the same task; all members see the same first observation."""
         messages = None
         for eid in episode_ids:
@@ -64,69 +106,75 @@ class EnvWorker:
                                                         "sandbox": sandbox})
             messages = messages or obs
         template = self._templates[item.env]
-        return {"messages": messages, "domain": template.domain, "max_turns": template.max_turns}
+        return EpisodeStart(messages, template.domain, template.max_turns)
 
-    def step_many(self, actions: list[tuple[str, str]]) -> list[dict[str, Any]]:
-        """One assistant turn per (episode id, text); the reply says whether the episode ended."""
-        replies = []
-        for eid, text in actions:
-            env = self.episodes[eid][1]
-            try:
-                obs, _reward, terminated, truncated, _info = env.step(text)
-            except Exception as exc:  # a broken environment ends its episode, never the run
-                obs, terminated, truncated = None, True, False
-                self.errors[eid] = f"{type(exc).__name__}: {exc}"
-            done = bool(terminated or truncated or obs is None)
-            replies.append({"observation": obs, "done": done, "truncated": bool(truncated)})
-        return replies
+    def step(self, episode_id: str, text: str) -> StepReply:
+        """One assistant turn; the reply says whether the episode ended. A broken environment ends
+        its episode (graded as an environment error), never the run."""
+        env = self.episodes[episode_id][1]
+        try:
+            obs, _reward, terminated, truncated, _info = env.step(text)
+        except Exception as exc:  # noqa: BLE001
+            with self._lock:
+                self.errors[episode_id] = f"{type(exc).__name__}: {exc}"
+            return StepReply(None, True, False)
+        return StepReply(obs, bool(terminated or truncated or obs is None), bool(truncated))
 
-    def finish_many(self, episode_ids: list[str]) -> list[dict[str, Any]]:
-        """Grade every episode through the grader pool and release its resources."""
-        requests, grades = [], []
-        for eid in episode_ids:
-            env = self.episodes[eid][1]
-            error = self.errors.get(eid)
+    def finish(self, episode_id: str) -> EpisodeEnd:
+        """Grade the episode through the grader pool and release its resources."""
+        name, env = self.episodes[episode_id]
+        error = self.errors.get(episode_id)
+        try:
             if error:
-                requests.append(None)
-                grades.append(failed_grade(f"environment error: {error}"))
-                continue
-            try:
-                requests.append(env.grade_request())
-                grades.append(None)
-            except Exception as exc:
-                requests.append(None)
-                grades.append(failed_grade(f"grade request failed: {type(exc).__name__}: {exc}"))
-        todo = [i for i, r in enumerate(requests) if r is not None]
-        if todo:
-            results = self.grader_pool.grade_many([requests[i] for i in todo])
-            for i, grade in zip(todo, results):
-                grades[i] = {"reward": float(grade.reward), "passed": bool(grade.passed), "error": grade.error,
-                             "grader_version": grade.grader_version, "details": grade.details}
-        for grade, eid in zip(grades, episode_ids):
-            grade["transcript"] = self.episodes[eid][1].messages  # what the policy saw and did, as text
-        for eid in episode_ids:
-            self._release(eid)
-        return grades
+                grade = _failed(f"environment error: {error}")
+            else:
+                try:
+                    request = env.grade_request()
+                except Exception as exc:  # noqa: BLE001
+                    grade = _failed(f"grade request failed: {type(exc).__name__}: {exc}")
+                else:
+                    grade = self.grader_pool.grade_many([request])[0]
+            self._count(name, error, grade)
+            return EpisodeEnd(grade, list(env.messages))
+        finally:
+            self._release(episode_id)
+
+    def _count(self, env_name: str, env_error: str | None, grade: Grade) -> None:
+        h = self.health
+        with self._lock:
+            if env_error:
+                h.env_errors[env_name] = h.env_errors.get(env_name, 0) + 1
+            elif grade.error:
+                table = h.grade_timeouts if "timed out" in grade.error else h.grade_errors
+                table[env_name] = table.get(env_name, 0) + 1
+
+    def health_report(self) -> EnvHealth:
+        with self._lock:
+            self.health.sandboxes_live = self._sandbox_pool.live if self._sandbox_pool is not None else 0
+            return self.health
 
     def abort(self, uid_prefix: str) -> int:
-        """Drop the episodes of a group whose rollout worker died (they are re-issued elsewhere)."""
-        doomed = [eid for eid in self.episodes if eid.startswith(uid_prefix + "/")]
+        """Drop the episodes of a group that will not finish (they are re-issued elsewhere)."""
+        with self._lock:
+            doomed = [eid for eid in self.episodes if eid.startswith(uid_prefix + "/")]
         for eid in doomed:
             self._release(eid)
         return len(doomed)
 
     def _release(self, eid: str) -> None:
         """End an episode: its sandbox is destroyed, its environment instance kept for the next one."""
-        name, env = self.episodes.pop(eid, (None, None))
-        sandbox = self.sandboxes.pop(eid, None)
-        self.errors.pop(eid, None)
+        with self._lock:
+            name, env = self.episodes.pop(eid, (None, None))
+            sandbox = self.sandboxes.pop(eid, None)
+            self.errors.pop(eid, None)
         if sandbox is not None:
             try:
                 sandbox.close()
-            except Exception:
+            except Exception:  # noqa: BLE001
                 traceback.print_exc()
         if env is not None:
-            self._idle_envs[name].append(env)
+            with self._lock:
+                self._idle_envs[name].append(env)
 
     def close(self) -> None:
         for eid in list(self.episodes):

@@ -1,19 +1,38 @@
-"""The rollout scheduler: a Ray actor that turns a step into GRPO groups (environment chosen by
-per-domain weight, task, effort level), hands them to rollout workers, and re-issues the groups of a
-worker that dies, so that every step gets exactly its groups, none lost and none counted twice."""
+"""The rollout scheduler: a Ray actor (asyncio) between the rollout workers and the learner.
+
+It draws GRPO groups from a deterministic stream (environment by per-domain weight, task, effort
+level; group n depends only on (seed, n)), plays them on the rollout workers, and hands the
+learner batches of `groups_per_step` whole groups, as an object reference the driver never opens.
+
+One scheduler, two modes, set by `max_staleness` k:
+- k = 0 (synchronous): a step's groups all start from the weights that step trains; the next
+  step's groups wait for the new weights. The same config and seed give the same samples.
+- k > 0: rollout runs up to k policy versions ahead of the learner. Groups keep running while the
+  learner trains (partial rollouts: an episode continues under new weights, each token records the
+  version that sampled it); a group that could only be trained with staleness above k is aborted
+  and re-issued, never trained on.
+Admission (AReaL's rule): groups in flight plus groups ready count towards the batch they will
+land in, which may be at most k versions ahead of the newest weights.
+
+Groups whose rewards all agree are dropped and replaced by new draws (dynamic sampling), up to a
+cap per step. A dead worker's groups are re-issued, so no group is lost or counted twice; a group
+whose environment keeps raising is reported and left out."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from rl.config import RolloutConfig
+from rl.metrics import rollout_metrics
 from rl.rollout.worker import NoWeightsError
-from rl.types import Sample, WorkItem, env_worker_index
+from rl.types import RolloutBatch, Sample, WorkItem, env_worker_index
 
 WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
 
@@ -28,126 +47,316 @@ class SamplingPlan:
     top_p: float
     seed: int
 
+    def item(self, index: int, task_ids: dict[str, list[str]]) -> WorkItem:
+        """Training group `index` of the run's stream: a pure function of (seed, index)."""
+        rng = np.random.default_rng([self.seed, index])
+        envs = sorted(self.env_weights)
+        p_env = np.array([self.env_weights[e] for e in envs], dtype=float)
+        levels = sorted(lvl for lvl, w in self.effort_weights.items() if w > 0)
+        p_lvl = np.array([self.effort_weights[lvl] for lvl in levels], dtype=float)
+        env = envs[rng.choice(len(envs), p=p_env / p_env.sum())]
+        level = levels[rng.choice(len(levels), p=p_lvl / p_lvl.sum())]
+        tasks = task_ids[env]
+        task = tasks[int(rng.integers(len(tasks)))]
+        return WorkItem(uid=f"g{index}", env=env, task_id=task, effort=level, group_size=self.group_size,
+                        seed=int(rng.integers(2**31)), max_new_tokens=self.effort_budgets[level],
+                        temperature=self.temperature, top_p=self.top_p, index=index)
+
+
+@dataclass
+class GroupOutcome:
+    item: WorkItem
+    samples: list[Sample] | None  # None: the group failed (its errors say why)
+    reissued: int = 0
+    error: str | None = None
+
+
+@dataclass
+class BatchReport:
+    """What the driver logs about a batch, without opening it."""
+
+    step: int
+    groups: int
+    metrics: dict[str, float]
+    records: list[dict[str, Any]]  # one per sample, for rollouts.jsonl
+    errors: list[str] = field(default_factory=list)
+
 
 class RolloutScheduler:
-    def __init__(self, workers: list, env_workers: list, env_task_ids: dict[str, dict[str, list[str]]], plan: SamplingPlan,
-                 max_retries: int, inflight_per_worker: int = 2) -> None:
+    def __init__(self, workers: list, env_workers: list, task_ids: dict[str, dict[str, list[str]]],
+                 plan: SamplingPlan, cfg: RolloutConfig) -> None:
         self.workers = list(workers)
         self.env_workers = list(env_workers)
-        self.task_ids = env_task_ids  # env -> split -> task ids
+        self.task_ids = task_ids  # env -> split -> task ids
         self.plan = plan
-        self.max_retries = max_retries
-        self.inflight_per_worker = inflight_per_worker
+        self.cfg = cfg
+        self.load = [0] * len(self.workers)
+        self.down: dict[int, asyncio.Task] = {}  # workers restarting (Ray restarts them): not given groups
         self.weights_ref: list = []  # [ObjectRef] of the newest weights, wrapped so Ray does not fetch it here
-        self.version = -1
+        self.version = -1  # newest policy version pushed to the workers
+        self._changed = asyncio.Condition()
+        # training stream
+        self._producer: asyncio.Task | None = None
+        self.next_index = 0
+        self.reissue: deque[WorkItem] = deque()
+        self.flights: dict[str, asyncio.Task] = {}  # uid -> task playing the group
+        self.flight_version: dict[str, int] = {}  # uid -> newest weights when it was issued
+        self.ready: dict[str, list[Sample]] = {}  # whole informative groups not yet trained on
+        self.ready_items: dict[str, WorkItem] = {}
+        self.consumed_groups = 0
+        self.draws_since_batch = 0  # new draws since the last batch was taken (capped)
+        self.dropped: list[Sample] = []  # samples of groups dropped since the last batch (reported with it)
+        self.counters: dict[str, float] = {}
+        self.errors: list[str] = []
 
     # -- weights ---------------------------------------------------------------------------------
-    def set_weights(self, wrapped_ref: list, version: int) -> int:
-        """Push new weights to every worker; returns once all hold them."""
-        self.weights_ref, self.version = wrapped_ref, version
-        ray.get([w.set_weights.remote(wrapped_ref[0], version) for w in self.workers])
-        return version
+    async def set_weights(self, wrapped_ref: list, version: int) -> float:
+        """Push new weights to every worker (each loads them between two forward passes); drop what
+        could now only be trained too stale. Returns the seconds the push took."""
+        started = time.monotonic()
+        await asyncio.gather(*[w.set_weights.remote(wrapped_ref[0], version) for w in self.workers])
+        async with self._changed:
+            self.weights_ref, self.version = wrapped_ref, version
+            self._retire_stale()
+            self._changed.notify_all()
+        return time.monotonic() - started
 
-    # -- planning --------------------------------------------------------------------------------
-    def plan_step(self, step: int, n_groups: int) -> list[WorkItem]:
-        """Deterministic in (seed, step): a resumed run draws the same groups as an unbroken one."""
-        rng = np.random.default_rng([self.plan.seed, step])
-        envs = sorted(self.plan.env_weights)
-        p_env = np.array([self.plan.env_weights[e] for e in envs], dtype=float)
-        levels = sorted(lvl for lvl, w in self.plan.effort_weights.items() if w > 0)
-        p_lvl = np.array([self.plan.effort_weights[lvl] for lvl in levels], dtype=float)
-        items = []
-        for g in range(n_groups):
-            env = envs[rng.choice(len(envs), p=p_env / p_env.sum())]
-            level = levels[rng.choice(len(levels), p=p_lvl / p_lvl.sum())]
-            tasks = self.task_ids[env]["train"]
-            task = tasks[int(rng.integers(len(tasks)))]
-            items.append(WorkItem(uid=f"s{step}/g{g}", env=env, task_id=task, effort=level,
-                                  group_size=self.plan.group_size, seed=int(rng.integers(2**31)),
-                                  max_new_tokens=self.plan.effort_budgets[level],
-                                  temperature=self.plan.temperature, top_p=self.plan.top_p))
-        return items
+    def _retire_stale(self) -> None:
+        """Groups that could only land in a step more than max_staleness versions after their
+        weights: abort (in flight) or discard (ready), and play them again."""
+        oldest_allowed = self.version - self.cfg.max_staleness
+        for uid, version in list(self.flight_version.items()):
+            if version < oldest_allowed:
+                self._abort(uid)
+        for uid, samples in list(self.ready.items()):
+            if min(s.weight_version for s in samples) < oldest_allowed:
+                self.reissue.append(self.ready_items.pop(uid))
+                del self.ready[uid]
+                self._count("async/aborted_groups")
 
+    def _abort(self, uid: str) -> None:
+        task = self.flights.pop(uid)
+        self.flight_version.pop(uid)
+        task.cancel()
+        self.reissue.append(task.item)  # type: ignore[attr-defined]
+        self._count("async/aborted_groups")
+
+    def _count(self, name: str, n: float = 1.0) -> None:
+        self.counters[name] = self.counters.get(name, 0.0) + n
+
+    # -- training stream -------------------------------------------------------------------------
+    async def start_training(self, next_index: int = 0, pending: list[WorkItem] | None = None) -> None:
+        """Start producing groups; a resumed run passes its snapshot (groups issued but not trained on
+        are played again first, in stream order)."""
+        self.next_index = next_index
+        self.reissue.extend(sorted(pending or [], key=lambda it: it.index))
+        self._producer = asyncio.get_running_loop().create_task(self._produce())
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume the stream: nothing trained twice, nothing skipped."""
+        pending = [*self.reissue, *(t.item for t in self.flights.values()), *self.ready_items.values()]  # type: ignore[attr-defined]
+        return {"next_index": self.next_index, "pending": [vars(it) for it in sorted(pending, key=lambda it: it.index)]}
+
+    async def stop_training(self) -> None:
+        if self._producer is not None:
+            self._producer.cancel()
+        for uid in list(self.flights):
+            task = self.flights.pop(uid)
+            self.flight_version.pop(uid, None)
+            task.cancel()
+        await asyncio.sleep(0)
+
+    def _room(self) -> bool:
+        """AReaL's admission rule: the batch a new group would land in is at most max_staleness
+        versions ahead of the newest weights, and a worker has a free place for it."""
+        if self.version < 0 or self._free_worker() is None:
+            return False
+        if not self.reissue and self.draws_since_batch >= self._draw_cap():
+            return False  # dynamic sampling at its cap: the next batch takes what is ready
+        live = len(self.flights) + len(self.ready)
+        landing_batch = (self.consumed_groups + live) // self.cfg.groups_per_step
+        return landing_batch <= self.version + self.cfg.max_staleness
+
+    async def _produce(self) -> None:
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(self._room)
+                item = self.reissue.popleft() if self.reissue else self._draw()
+                task = asyncio.get_running_loop().create_task(self._play(item))
+                task.item = item  # type: ignore[attr-defined]
+                self.flights[item.uid] = task
+                self.flight_version[item.uid] = self.version
+                task.add_done_callback(lambda t, uid=item.uid: asyncio.ensure_future(self._landed(uid, t)))
+
+    def _draw_cap(self) -> float:
+        return self.cfg.max_draws_per_step * self.cfg.groups_per_step
+
+    def _draw(self) -> WorkItem:
+        item = self.plan.item(self.next_index, {e: ids["train"] for e, ids in self.task_ids.items()})
+        self.next_index += 1
+        self.draws_since_batch += 1
+        self._count("rollout/drawn_groups")
+        return item
+
+    async def _landed(self, uid: str, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        async with self._changed:
+            if self.flights.get(uid) is not task:
+                return  # aborted meanwhile
+            del self.flights[uid]
+            self.flight_version.pop(uid, None)
+            outcome: GroupOutcome = task.result()
+            self._count("rollout/reissued", outcome.reissued)
+            if outcome.samples is None:
+                self._count("rollout/failed_groups")
+                self.errors.append(outcome.error or f"group {uid} failed")
+            elif self.cfg.drop_uniform_groups and len({s.reward for s in outcome.samples}) == 1:
+                self._count("rollout/dropped_uniform_groups")
+                self.dropped.extend(outcome.samples)
+            elif min(s.weight_version for s in outcome.samples) < self.version - self.cfg.max_staleness:
+                self.reissue.append(outcome.item)  # finished, but only under weights now too old
+                self._count("async/aborted_groups")
+            else:
+                self.ready[uid] = outcome.samples
+                self.ready_items[uid] = outcome.item
+            self._changed.notify_all()
+
+    async def next_batch(self, step: int) -> tuple[list, BatchReport]:
+        """The next `groups_per_step` ready groups (oldest in the stream first), as [ObjectRef]. With
+        dynamic sampling at its cap, the ready groups so far (fewer) make the batch."""
+        need = self.cfg.groups_per_step
+        started = time.monotonic()
+        async with self._changed:
+
+            def enough() -> bool:
+                capped = self.draws_since_batch >= self._draw_cap() and not self.reissue
+                return len(self.ready) >= need or (capped and not self.flights)
+
+            await self._changed.wait_for(enough)
+            self.draws_since_batch = 0
+            uids = sorted(self.ready, key=lambda u: self.ready_items[u].index)[:need]
+            samples = [s for u in uids for s in self.ready.pop(u)]
+            for u in uids:
+                self.ready_items.pop(u)
+            self.consumed_groups += len(uids)
+            counters, self.counters = self.counters, {}
+            errors, self.errors = self.errors, []
+            dropped, self.dropped = self.dropped, []
+            self._changed.notify_all()
+        # rollout statistics cover every group reported now, dropped ones included (dropping the
+        # all-correct and all-wrong groups would bias the reward curve)
+        metrics = rollout_metrics(samples + dropped, step)
+        metrics.update({k: v for k, v in counters.items() if k != "rollout/drawn_groups"})
+        metrics["rollout/trained_samples"] = float(len(samples))
+        metrics["rollout/refilled_groups"] = max(0.0, counters.get("rollout/drawn_groups", 0.0) - len(uids))
+        metrics["time/batch_wait_s"] = time.monotonic() - started
+        records = [rollout_record(step, s, trained=True) for s in samples]
+        records += [rollout_record(step, s, trained=False) for s in dropped]
+        report = BatchReport(step, len(uids), metrics, records, errors)
+        return [ray.put(RolloutBatch(step, samples))], report
+
+    # -- playing one group ------------------------------------------------------------------------
+    def _free_worker(self) -> int | None:
+        """The least-loaded worker that is up and has room for another group."""
+        up = [w for w in range(len(self.workers)) if w not in self.down and self.load[w] < self.cfg.groups_per_worker]
+        return min(up, key=lambda w: self.load[w]) if up else None
+
+    async def _play(self, item: WorkItem) -> GroupOutcome:
+        """Run one group to completion on some worker, re-issuing it when the worker dies."""
+        attempts, reissued = 0, 0
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: any(w not in self.down for w in range(len(self.workers))))
+            w = min((w for w in range(len(self.workers)) if w not in self.down), key=lambda w: self.load[w])
+            self.load[w] += 1
+            ref = self.workers[w].run_group.remote(item)
+            try:
+                return GroupOutcome(item, await ref, reissued)
+            except asyncio.CancelledError:
+                ray.cancel(ref)
+                raise
+            except NoWeightsError:  # restarted between calls: give it the weights, run the group again
+                await self._recover_worker(w, item)
+                reissued += 1
+            except WORKER_FAILURES as exc:
+                attempts += 1
+                if attempts > self.cfg.max_retries:
+                    return GroupOutcome(item, None, reissued, f"group {item.uid} failed {attempts} times; last: {exc}")
+                await self._recover_worker(w, item)
+                reissued += 1
+            except RayTaskError as exc:  # the group itself raised (a broken task or environment)
+                await self._abort_episodes(item)
+                attempts += 1
+                if attempts > self.cfg.max_retries:
+                    cause = getattr(exc, "cause", None) or exc
+                    return GroupOutcome(item, None, reissued, f"{item.uid} ({item.env} task {item.task_id}): "
+                                                              f"{type(cause).__name__}: {cause}")
+            finally:
+                self.load[w] -= 1
+
+    async def _recover_worker(self, w: int, item: WorkItem) -> None:
+        """The actor restarts on its own (max_restarts) and comes back without weights: no group
+        goes to it until it answers again and holds the current weights."""
+        await self._abort_episodes(item)
+        if w not in self.down:
+            self.down[w] = asyncio.get_running_loop().create_task(self._bring_back(w))
+
+    async def _bring_back(self, w: int, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.2
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    await self.workers[w].ping.remote()
+                    if self.weights_ref:
+                        await self.workers[w].set_weights.remote(self.weights_ref[0], self.version)
+                    return
+                except WORKER_FAILURES:
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 5.0)
+        finally:  # back (or given up on: the next failure brings it here again)
+            async with self._changed:
+                self.down.pop(w, None)
+                self._changed.notify_all()
+
+    async def _abort_episodes(self, item: WorkItem) -> None:
+        """Close the half-played episodes (and sandboxes) of a group that will not finish."""
+        env_worker = self.env_workers[env_worker_index(item.env, len(self.env_workers))]
+        await env_worker.abort.remote(item.uid)
+
+    # -- evaluation -------------------------------------------------------------------------------
     def plan_eval(self, env: str, efforts: list[str], n_tasks: int, samples: int, temperature: float,
                   tag: str) -> list[WorkItem]:
         tasks = self.task_ids[env]["heldout"][:n_tasks]
         return [WorkItem(uid=f"{tag}/{env}/{level}/{t}", env=env, task_id=task, effort=level, group_size=samples,
-                         seed=t, max_new_tokens=self.plan.effort_budgets[level], temperature=temperature,
-                         top_p=1.0)
+                         seed=t, max_new_tokens=self.plan.effort_budgets[level], temperature=temperature, top_p=1.0)
                 for level in efforts for t, task in enumerate(tasks)]
 
-    # -- execution -------------------------------------------------------------------------------
-    def collect(self, step: int, n_groups: int) -> dict[str, Any]:
-        items = self.plan_step(step, n_groups)
-        return self.run(items)
-
-    def evaluate(self, envs: list[str], efforts: list[str], n_tasks: int, samples: int, temperature: float,
-                 tag: str) -> dict[str, Any]:
+    async def evaluate(self, envs: list[str], efforts: list[str], n_tasks: int, samples: int, temperature: float,
+                       tag: str) -> list[Sample]:
+        """Held-out episodes, every group played to completion (failed groups are left out)."""
         items = [it for env in envs for it in self.plan_eval(env, efforts, n_tasks, samples, temperature, tag)]
-        return self.run(items)
+        room = asyncio.Semaphore(self.cfg.groups_per_worker * len(self.workers))
 
-    def run(self, items: list[WorkItem]) -> dict[str, Any]:
-        """Run every item to completion on the workers; a dead worker's items go to the queue again."""
-        t0 = time.monotonic()
-        queue: deque[WorkItem] = deque(items)
-        attempts = {it.uid: 0 for it in items}
-        results: dict[str, list[Sample]] = {}
-        inflight: dict[Any, tuple[WorkItem, int]] = {}
-        load = [0] * len(self.workers)
-        reissued = 0
-        errors: list[str] = []
-        failed: list[str] = []  # groups whose environment kept raising: reported, not trained on
-        while queue or inflight:
-            while queue and min(load) < self.inflight_per_worker:
-                w = int(np.argmin(load))
-                item = queue.popleft()
-                inflight[self.workers[w].run_group.remote(item)] = (item, w)
-                load[w] += 1
-            ready, _ = ray.wait(list(inflight), num_returns=1)
-            ref = ready[0]
-            item, w = inflight.pop(ref)
-            load[w] -= 1
-            try:
-                samples = ray.get(ref)
-            except NoWeightsError:  # restarted between calls: give it the weights, run the group again
-                self._recover_worker(w, item)
-                queue.append(item)
-                reissued += 1
-                continue
-            except WORKER_FAILURES as exc:
-                attempts[item.uid] += 1
-                if attempts[item.uid] > self.max_retries:
-                    raise RuntimeError(f"group {item.uid} failed {attempts[item.uid]} times; last: {exc}") from None
-                errors.append(f"{item.uid}: worker {w} died")
-                self._recover_worker(w, item)
-                queue.append(item)
-                reissued += 1
-                continue
-            except RayTaskError as exc:  # the group itself raised (a broken task or environment)
-                self._abort_episodes(item)
-                attempts[item.uid] += 1
-                cause = getattr(exc, "cause", None) or exc
-                if attempts[item.uid] > self.max_retries:
-                    failed.append(item.uid)
-                    errors.append(f"{item.uid} ({item.env} task {item.task_id}): {type(cause).__name__}: {cause}")
-                else:
-                    queue.append(item)
-                continue
-            if item.uid in results:  # cannot happen by construction; guard the no-double-count promise
-                raise RuntimeError(f"group {item.uid} completed twice")
-            results[item.uid] = samples
-        ordered = [s for it in items for s in results.get(it.uid, [])]
-        return {"samples": ordered, "reissued": reissued, "failed_groups": len(failed),
-                "seconds": time.monotonic() - t0, "errors": errors}
+        async def one(item: WorkItem) -> GroupOutcome:
+            async with room:
+                return await self._play(item)
 
-    def _recover_worker(self, w: int, item: WorkItem) -> None:
-        """The actor restarts on its own (max_restarts); it comes back with fresh weights only."""
-        worker = self.workers[w]
-        self._abort_episodes(item)
-        if self.weights_ref:
-            worker.set_weights.remote(self.weights_ref[0], self.version)  # ordered before its next call
+        outcomes = await asyncio.gather(*[one(it) for it in items])
+        return [s for o in outcomes if o.samples for s in o.samples]
 
-    def _abort_episodes(self, item: WorkItem) -> None:
-        """Close the half-played episodes (and sandboxes) of a group that will not finish."""
-        env_worker = self.env_workers[env_worker_index(item.env, len(self.env_workers))]
-        ray.get(env_worker.abort.remote(item.uid))
+
+def rollout_record(step: int, s: Sample, trained: bool) -> dict[str, Any]:
+    """One line of rollouts.jsonl: what the sample was asked, what it did, how it was graded, and
+    whether the learner trained on it (a group whose rewards all agree is dropped)."""
+    return {"step": step, "uid": s.uid, "group": s.group_uid, "trained": trained, "env": s.env, "domain": s.domain,
+            "task_id": s.task_id, "effort": s.effort, "reward": s.reward, "passed": s.passed,
+            "version": s.weight_version, "versions": [s.weight_version, s.newest_version],
+            "staleness": step - s.weight_version, "engine": s.engine, "tokens": s.response_tokens,
+            "turns": s.num_turns, "truncated": s.truncated, "error": s.grade_error, "grade": s.grade_details,
+            "transcript": s.transcript}
+
+
+def item_from_dict(data: dict[str, Any]) -> WorkItem:
+    return WorkItem(**data)

@@ -1,16 +1,21 @@
-"""Rollout worker: a Ray actor that plays GRPO groups of episodes with the current policy weights.
+"""Rollout worker: a Ray actor (asyncio) that plays many GRPO groups at once with one engine.
 
-It owns a generation engine and talks to environment workers (reset/step) and, through them, to
-the grader pool. Every sample records the weight version that produced it."""
+Each group is a coroutine: reset its episodes on the environment worker, open the group in the
+engine (prompt prefilled once), then play each member turn by turn (generate, step the
+environment, append its reply), and grade. While one episode waits for a tool or a grader, the
+engine decodes the others. Every sample records the weight version of each token it generated."""
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
 import ray
 import torch
 
-from rl.rollout.engine import TorchEngine
+from rl.config import RolloutConfig
+from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams
+from rl.rollout.env_worker import EpisodeEnd, EpisodeStart, StepReply
 from rl.rollout.layout import stop_token_ids
 from rl.types import Sample, WorkItem, env_worker_index
 
@@ -19,87 +24,110 @@ class NoWeightsError(RuntimeError):
     """The worker holds no policy weights (it was just started or restarted by Ray)."""
 
 
+def member_seed(group_seed: int, member: int) -> int:
+    """Each member of a group draws from its own random stream."""
+    return (group_seed * 1_000_003 + member) % (1 << 62)
+
+
+def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> tuple[RolloutEngine, int]:
+    """The configured engine around the policy; returns (engine, weight version it starts with)."""
+    from policy import build_model, from_pretrained
+
+    from rl.rollout.native_engine import NativeEngine
+
+    torch.manual_seed(seed)
+    if model_spec.get("path"):  # evaluating a saved policy: its weights are version 0
+        model, version = from_pretrained(model_spec["path"]), 0
+    else:  # training: weights arrive from the learner
+        model, version = build_model(model_spec["preset"], **model_spec["overrides"]), -1
+    engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cfg.cache_tokens,
+                          max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing)
+    engine.version = version
+    return engine, version
+
+
 class RolloutWorker:
     def __init__(self, model_spec: dict[str, Any], tokenizer_dir: str, env_worker_names: list[str],
-                 max_context: int, record_routing: bool, seed: int) -> None:
+                 cfg: RolloutConfig, seed: int) -> None:
         torch.set_num_threads(1)
-        from policy import Tokenizer, build_model, from_pretrained
+        from policy import Tokenizer
 
         self.tokenizer = Tokenizer.load(tokenizer_dir)
-        torch.manual_seed(seed)
-        if model_spec.get("path"):  # evaluating a saved policy: its weights are version 0
-            model, self.weight_version = from_pretrained(model_spec["path"]), 0
-        else:  # training: weights arrive from the learner
-            model, self.weight_version = build_model(model_spec["preset"], **model_spec["overrides"]), -1
-        self.engine = TorchEngine(model, record_routing=record_routing, seed=seed)
+        self.engine, _ = build_engine(model_spec, cfg, seed)
         self.env_workers = [ray.get_actor(name) for name in env_worker_names]
-        self.max_context = max_context
-        self.stop_ids = stop_token_ids(self.tokenizer)
+        self.max_context = cfg.max_context
+        self.stop_ids = frozenset(stop_token_ids(self.tokenizer))
 
-    def ping(self) -> int:
+    async def ping(self) -> int:
         return os.getpid()
 
-    def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
-        self.engine.load_state_dict(state)
-        self.weight_version = version
+    async def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
+        await self.engine.update_weights(state, version)
         return version
+
+    async def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     def _env_worker(self, item: WorkItem):
         return self.env_workers[env_worker_index(item.env, len(self.env_workers))]
 
-    def run_group(self, item: WorkItem) -> list[Sample]:
-        if self.weight_version < 0:
+    async def run_group(self, item: WorkItem) -> list[Sample]:
+        if self.engine.version < 0:
             raise NoWeightsError("rollout worker has no weights yet: call set_weights first")
         env_worker = self._env_worker(item)
-        episode_ids = [f"{item.uid}/{i}" for i in range(item.group_size)]
-        start = ray.get(env_worker.reset_group.remote(item, episode_ids))
-        prompt = self.tokenizer.apply_chat_template(start["messages"], effort=item.effort, add_generation_prompt=True)
-        if len(prompt) >= self.max_context:
-            ray.get(env_worker.abort.remote(item.uid))
-            raise ValueError(f"prompt of task {item.task_id!r} in {item.env!r} is {len(prompt)} tokens, "
-                             f"over rollout.max_context={self.max_context}")
-        version = self.weight_version
-        self.engine.start(prompt, item.group_size)
-        active = list(range(item.group_size))
-        turns = [0] * item.group_size
-        truncated = [False] * item.group_size
-        for _ in range(start["max_turns"]):
-            if not active:
-                break
-            budget = min(item.max_new_tokens,
-                         self.max_context - max(len(self.engine.rows[i].tokens) for i in active) - 1)
+        ids = [f"{item.uid}/{i}" for i in range(item.group_size)]
+        start: EpisodeStart = await env_worker.reset_group.remote(item, ids)
+        try:
+            prompt = self.tokenizer.apply_chat_template(start.messages, effort=item.effort, add_generation_prompt=True)
+            if len(prompt) >= self.max_context:
+                raise ValueError(f"prompt of task {item.task_id!r} in {item.env!r} is {len(prompt)} tokens, "
+                                 f"over rollout.max_context={self.max_context}")
+            await self.engine.start_group(ids, prompt)
+            return list(await asyncio.gather(*[self._episode(item, i, sid, prompt, start, env_worker)
+                                               for i, sid in enumerate(ids)]))
+        except BaseException:  # failed or cancelled (aborted by the scheduler): free everything it holds
+            await asyncio.shield(self._abandon(item.uid, ids, env_worker))
+            raise
+
+    async def _abandon(self, uid: str, ids: list[str], env_worker) -> None:
+        for sid in ids:
+            await self.engine.finish(sid)
+        await env_worker.abort.remote(uid)
+
+    async def _episode(self, item: WorkItem, member: int, sid: str, prompt: list[int], start: EpisodeStart,
+                       env_worker) -> Sample:
+        tokens, loss_mask = list(prompt), [0] * len(prompt)
+        logprobs, versions = [0.0] * len(prompt), [-1] * len(prompt)
+        append: list[int] = []
+        turns, truncated, done = 0, False, False
+        while turns < start.max_turns and not done:
+            budget = min(item.max_new_tokens, self.max_context - len(tokens) - len(append) - 1)
             if budget <= 0:
-                for i in active:
-                    truncated[i] = True
+                truncated = True
                 break
-            results = self.engine.generate_turn(active, budget, self.stop_ids, item.temperature, item.top_p)
-            for i in active:
-                turns[i] += 1
-            actions = [(episode_ids[i], self.tokenizer.decode(results[i].new_tokens)) for i in active]
-            replies = ray.get(env_worker.step_many.remote(actions))
-            still = []
-            for i, reply in zip(active, replies):
-                if reply["done"]:
-                    truncated[i] = truncated[i] or reply["truncated"]
-                    continue
-                self.engine.extend(i, self.tokenizer.encode_tool_result(reply["observation"]))
-                if len(self.engine.rows[i].tokens) >= self.max_context:
-                    truncated[i] = True
-                    continue
-                still.append(i)
-            active = still
-        grades = ray.get(env_worker.finish_many.remote(episode_ids))
-        samples = []
-        for i, (eid, grade) in enumerate(zip(episode_ids, grades)):
-            row = self.engine.rows[i]
-            n = len(row.tokens)
-            samples.append(Sample(
-                uid=eid, group_uid=item.uid, env=item.env, domain=start["domain"], task_id=item.task_id,
-                effort=item.effort, tokens=row.tokens, loss_mask=row.loss_mask, behavior_logprobs=row.logprobs,
-                weight_version=version, reward=grade["reward"], passed=grade["passed"],
-                grade_error=grade["error"], grader_version=grade["grader_version"], num_turns=turns[i],
-                transcript=grade["transcript"], grade_details=grade["details"],
-                truncated=truncated[i] or i in active,  # still going when max_turns ran out
-                routing=self.engine.routing_array(i, n),
-            ))
-        return samples
+            params = SamplingParams(max_new_tokens=budget, temperature=item.temperature, top_p=item.top_p,
+                                    stop_ids=self.stop_ids, seed=member_seed(item.seed, member))
+            out = await self.engine.generate(sid, append, params)
+            for part, m in ((append, 0), (out.tokens, 1)):
+                tokens += part
+                loss_mask += [m] * len(part)
+            logprobs += [0.0] * len(append) + out.logprobs
+            versions += [-1] * len(append) + out.versions
+            turns += 1
+            reply: StepReply = await env_worker.step.remote(sid, self.tokenizer.decode(out.tokens))
+            done, truncated = reply.done, reply.truncated
+            if not done:
+                append = self.tokenizer.encode_tool_result(reply.observation)
+        truncated = truncated or not done  # out of context or of turns while the episode went on
+        record = await self.engine.finish(sid)
+        end: EpisodeEnd = await env_worker.finish.remote(sid)
+        routing = None
+        if record.routing is not None:
+            routing = torch.full((len(tokens), *record.routing.shape[1:]), -1, dtype=torch.int16).numpy()
+            routing[:record.routing.shape[0]] = record.routing  # the last sampled token is never fed
+        return Sample(
+            uid=sid, group_uid=item.uid, env=item.env, domain=start.domain, task_id=item.task_id, effort=item.effort,
+            tokens=tokens, loss_mask=loss_mask, behavior_logprobs=logprobs, token_versions=versions,
+            reward=float(end.grade.reward), passed=bool(end.grade.passed), grade_error=end.grade.error,
+            grader_version=end.grade.grader_version, grade_details=end.grade.details, num_turns=turns,
+            truncated=truncated, routing=routing, transcript=end.transcript, engine=self.engine.name)

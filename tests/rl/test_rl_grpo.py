@@ -14,10 +14,10 @@ def test_advantages_are_relative_to_the_prompt_effort_group():
     adv = compute_advantages(rewards, keys, "none")
     np.testing.assert_allclose(adv, [0.5, -0.5, 0.5, 0.5, -0.5, -0.5])
     grouped = compute_advantages(rewards, keys, "group")
-    np.testing.assert_allclose(grouped[:2], [1.0, -1.0], atol=1e-5)
+    np.testing.assert_allclose(grouped[:2], [0.5 / np.sqrt(0.5), -0.5 / np.sqrt(0.5)], atol=1e-5)  # ddof 1
     assert compute_advantages([1.0, 1.0], ["a", "a"], "group").tolist() == [0.0, 0.0]
     batch = compute_advantages(rewards, keys, "batch")
-    assert batch.std() == pytest.approx(1.0, abs=1e-4)
+    assert batch.std(ddof=1) == pytest.approx(1.0, abs=1e-4)
 
 
 def _samples(vocab: int, n: int, seed: int = 0) -> list[Sample]:
@@ -30,7 +30,8 @@ def _samples(vocab: int, n: int, seed: int = 0) -> list[Sample]:
         mask = [0] * prompt + [1] * (length - prompt)
         logp = [0.0] * prompt + (-rng.random(length - prompt) * 3).tolist()
         out.append(Sample(uid=f"s{i}", group_uid=f"g{i // 4}", env="e", domain="d", task_id="t", effort="low",
-                          tokens=tokens, loss_mask=mask, behavior_logprobs=logp, weight_version=0,
+                          tokens=tokens, loss_mask=mask, behavior_logprobs=logp,
+                          token_versions=[-1] * prompt + [0] * (length - prompt),
                           reward=float(rng.random())))
     return out
 
@@ -98,3 +99,91 @@ def test_kl_term_has_the_unbiased_gradient():
     lp = torch.log_softmax(expected_logits, -1)
     (lp.exp() * (lp - ref)).sum().backward()
     torch.testing.assert_close(logits.grad, expected_logits.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_group_std_is_the_unbiased_one():
+    """verl and TRL divide by the sample standard deviation (ddof 1)."""
+    adv = compute_advantages([1.0, 0.0, 0.0], ["g"] * 3, "group")
+    centred = np.array([2 / 3, -1 / 3, -1 / 3])
+    np.testing.assert_allclose(adv, centred / (np.std([1.0, 0.0, 0.0], ddof=1) + 1e-6))
+    batch = compute_advantages([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"], "batch")
+    assert batch.std(ddof=1) == pytest.approx(1.0, abs=1e-4)
+
+
+def _hand_batch(behaviour, prox=None, adv=1.0):
+    """Two sequences of 3 tokens, all targets."""
+    n = behaviour.shape[0]
+    return TrainBatch(torch.zeros(n, 3, dtype=torch.long), torch.ones(n, 3), behaviour, torch.full((n,), adv), None,
+                      prox_logprobs=prox)
+
+
+def test_decoupled_ppo_clips_against_the_proximal_policy_and_weights_by_the_behaviour_ratio():
+    behaviour = torch.tensor([[-1.0, -1.0, -1.0]])
+    prox = torch.tensor([[-0.5, -1.0, -2.0]])  # w = e^0.5, 1, e^-1
+    logp = torch.tensor([[-0.5, -0.5, -2.0]], requires_grad=True)  # r vs prox: 1, e^0.5 (clipped), 1
+    cfg = LossConfig(proximal="learner", dual_clip=None, eps_high=0.28)
+    losses, stats = grpo_token_losses(logp, _hand_batch(behaviour, prox), cfg)
+    w = torch.exp(prox - behaviour)[0]
+    torch.testing.assert_close(stats["is_weight"][0], w)
+    torch.testing.assert_close(losses[0].detach(), -w * torch.tensor([1.0, 1.28, 1.0]))
+    losses.sum().backward()
+    # the clipped token gives no gradient; the others -w * d ratio / d logp = -w * ratio
+    torch.testing.assert_close(logp.grad[0], torch.stack([-w[0], torch.tensor(0.0), -w[2]]))
+
+
+def test_truncated_importance_sampling_caps_token_and_sequence_weights():
+    behaviour = torch.tensor([[-3.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    prox = torch.tensor([[-1.0, -1.0, -1.5], [-1.0, -0.9, -1.0]])  # token w: e^2, 1, e^-0.5 | 1, e^0.1, 1
+    logp = prox.clone()
+    tok = LossConfig(proximal="learner", is_correction="tis", is_cap=2.0, dual_clip=None)
+    _, stats = grpo_token_losses(logp, _hand_batch(behaviour, prox), tok)
+    expected = torch.exp(prox - behaviour).clamp(max=2.0)
+    torch.testing.assert_close(stats["is_weight"], expected)
+    seq = LossConfig(proximal="learner", is_correction="tis", is_level="sequence", is_cap=2.0, dual_clip=None)
+    _, stats = grpo_token_losses(logp, _hand_batch(behaviour, prox), seq)
+    per_seq = torch.exp((prox - behaviour).sum(-1)).clamp(max=2.0)  # e^1.5 -> 2, e^0.1
+    torch.testing.assert_close(stats["is_weight"], per_seq[:, None].expand(2, 3))
+    geo = LossConfig(proximal="learner", is_correction="tis", is_level="geometric", is_cap=2.0, dual_clip=None)
+    _, stats = grpo_token_losses(logp, _hand_batch(behaviour, prox), geo)
+    torch.testing.assert_close(stats["is_weight"], torch.exp((prox - behaviour).mean(-1))[:, None].expand(2, 3))
+
+
+def test_masked_importance_sampling_zeroes_tokens_outside_the_band():
+    behaviour = torch.tensor([[-3.0, -1.0, -1.0]])
+    prox = torch.tensor([[-1.0, -1.2, -1.0]])  # w = e^2 (out), e^-0.2 (in), 1 (in)
+    cfg = LossConfig(proximal="learner", is_correction="mis", is_band=(0.5, 5.0), dual_clip=None)
+    logp = prox.clone().requires_grad_(True)
+    losses, stats = grpo_token_losses(logp, _hand_batch(behaviour, prox), cfg)
+    assert stats["is_masked"][0].tolist() == [1.0, 0.0, 0.0]
+    losses.sum().backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
+    torch.testing.assert_close(stats["is_weight"][0, 1:], torch.exp(prox - behaviour)[0, 1:])
+
+
+def test_corrections_need_the_learner_proximal_policy_in_the_config():
+    from rl.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="needs proximal='learner'"):
+        validate({"envs": [{"name": "math"}], "train": {"off_policy": {"is_correction": "tis"}}})
+    with pytest.raises(ConfigError, match="top_p"):
+        validate({"envs": [{"name": "math"}], "rollout": {"top_p": 0.9}})
+
+
+def test_padding_never_counts_in_the_moe_balancing_statistics():
+    """Padding rows and the never-fed last token route with -1 (route as usual) and stay out of the load."""
+    from policy import build_model
+
+    torch.manual_seed(0)
+    model = build_model("toy", vocab_size=320).train()
+    samples = _samples(320, 4)
+    shape = (len(model.moe_layer_ids), model.config.num_experts_per_token)
+    for s in samples:
+        s.routing = np.full((len(s.tokens), *shape), -1, dtype=np.int16)
+    batch = collate(samples, np.ones(4), pad_id=0)
+    assert batch.routing is not None and int(batch.routing.min()) == -1
+    real = int(batch.token_mask.sum())
+    assert real == sum(len(s.tokens) for s in samples) < batch.token_mask.numel()
+    model(batch.input_ids, routing=batch.routing, return_token_logprobs=True, token_mask=batch.token_mask)
+    for layer in model.model.layers:
+        if layer.is_moe:
+            assert layer.block_sparse_moe.load.sum().item() == real * model.config.num_experts_per_token

@@ -1,42 +1,205 @@
-"""The rollout engine: cached, forked, multi-turn generation records the same logprobs and experts a
-full forward of the finished sequence computes (so the learner's ratio starts at 1)."""
+"""The native rollout engine: continuous batching, forked group prefill, slot reuse, preemption and
+long episodes give the tokens and logprobs that one-at-a-time generation and a full learner forward
+give."""
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+import pytest
 import torch
 
 from policy import build_model
-from rl.rollout.engine import TorchEngine, sample_token
+from rl.rollout.engine_api import SamplingParams
+from rl.rollout.native_engine import NativeEngine
+from rl.rollout.sampling import processed_logprobs, sample_tokens, uniform_noise
+
+STOP = 7
 
 
-def test_recorded_logprobs_and_routing_match_a_full_forward():
+@pytest.fixture(scope="module")
+def model():
     torch.manual_seed(0)
-    model = build_model("toy", vocab_size=300).eval()
-    engine = TorchEngine(model, record_routing=True, seed=1)
-    prompt = torch.randint(10, 300, (12,)).tolist()
-    engine.start(prompt, 3)
-    first = engine.generate_turn([0, 1, 2], 6, stop_ids={7}, temperature=1.0, top_p=1.0)
-    # Rows diverge: row 1 gets a tool result of 5 tokens, row 2 of 2, row 0 stops.
-    engine.extend(1, [11, 12, 13, 14, 15])
-    engine.extend(2, [21, 22])
-    engine.generate_turn([1, 2], 5, stop_ids={7}, temperature=1.0, top_p=1.0)
-    assert all(len(first[i].new_tokens) >= 1 for i in range(3))
-    for i, row in enumerate(engine.rows):
-        ids = torch.tensor([row.tokens])
-        routing = torch.from_numpy(engine.routing_array(i, len(row.tokens)).astype("int64"))[None]
+    return build_model("toy", vocab_size=300).eval()
+
+
+def engine(model, **kw) -> NativeEngine:
+    e = NativeEngine(model, **kw)
+    e.version = 3
+    return e
+
+
+def params(seed: int, greedy: bool = False, n: int = 6) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0 if greedy else 1.0, stop_ids=frozenset({STOP}), seed=seed)
+
+
+def tool_result(member: int, turn: int) -> list[int]:
+    return [] if turn == 0 else list(range(20, 20 + 2 + 3 * member + turn))  # lengths differ by member
+
+
+async def play(eng: NativeEngine, groups: dict[str, tuple[list[int], list[int]]], turns: int = 3,
+               greedy: bool = False, n: int = 6) -> dict[str, list]:
+    """Each group: one prompt and the members to play; each member plays `turns` turns with tool
+    results between them, drawing from a stream fixed by (group, member)."""
+    out: dict[str, list] = {}
+
+    async def member(gid: str, m: int) -> None:
+        sid, record = f"{gid}/{m}", []
+        for t in range(turns):
+            o = await eng.generate(sid, tool_result(m, t), params(zlib.crc32(gid.encode()) * 10 + m, greedy, n))
+            record.append((o.tokens, o.logprobs, o.versions))
+        out[sid] = record + [await eng.finish(sid)]
+
+    async def group(gid: str, prompt: list[int], members: list[int]) -> None:
+        await eng.start_group([f"{gid}/{m}" for m in members], prompt)
+        await asyncio.gather(*[member(gid, m) for m in members])
+
+    await asyncio.gather(*[group(g, p, ms) for g, (p, ms) in groups.items()])
+    return out
+
+
+def prompts(n_groups: int, size: int = 3) -> dict[str, tuple[list[int], list[int]]]:
+    gen = torch.Generator().manual_seed(5)
+    return {f"g{k}": (torch.randint(10, 300, (4 + 5 * k,), generator=gen).tolist(), list(range(size)))
+            for k in range(n_groups)}
+
+
+def tokens_of(result: dict[str, list]) -> dict[str, list[list[int]]]:
+    return {sid: [turn[0] for turn in rec[:-1]] for sid, rec in result.items()}
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_continuous_batching_equals_one_sequence_at_a_time(model, greedy):
+    groups = prompts(4)
+    together = asyncio.run(play(engine(model, max_slots=16, cache_tokens=4096), groups, greedy=greedy))
+    alone = {}
+    for gid, (prompt, members) in groups.items():  # one member at a time, in a fresh engine
+        for m in members:
+            alone.update(asyncio.run(play(engine(model, max_slots=2, cache_tokens=1024), {gid: (prompt, [m])},
+                                          greedy=greedy)))
+    assert tokens_of(together) == tokens_of(alone)
+    for sid in together:
+        for a, b in zip(together[sid][:-1], alone[sid][:-1]):
+            torch.testing.assert_close(torch.tensor(a[1]), torch.tensor(b[1]), atol=1e-4, rtol=0)
+            assert a[2] == [3] * len(a[0])  # every token records the weights that drew it
+
+
+def test_forked_group_prefill_equals_separate_prefills(model):
+    prompt = torch.randint(10, 300, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    e = engine(model, max_slots=8, cache_tokens=2048, block_size=16)
+    forked = asyncio.run(play(e, {"g": (prompt, [0, 1, 2, 3])}, turns=2))
+    tool_tokens = sum(len(tool_result(m, 1)) + 1 for m in range(4))
+    assert e.stats().prefill_tokens == len(prompt) + tool_tokens  # the prompt went through the model once
+    separate = {}
+    for m in range(4):  # the same streams, each member's prompt prefilled on its own
+        separate.update(asyncio.run(play(engine(model, max_slots=8, cache_tokens=2048, block_size=16),
+                                         {"g": (prompt, [m])}, turns=2)))
+    assert tokens_of(forked) == tokens_of(separate)
+
+
+def test_slot_reuse_never_leaks_state(model):
+    """A sequence in a slot another one used before behaves as in a fresh engine."""
+    prompt_a = list(range(30, 90))
+    prompt_b = list(range(100, 117))
+    e = engine(model, max_slots=1, cache_tokens=256, block_size=8)
+    asyncio.run(play(e, {"a": (prompt_a, [0])}, greedy=True))
+    reused = asyncio.run(play(e, {"b": (prompt_b, [0])}, greedy=True))
+    fresh = asyncio.run(play(engine(model, max_slots=1, cache_tokens=256, block_size=8), {"b": (prompt_b, [0])},
+                             greedy=True))
+    assert tokens_of(reused) == tokens_of(fresh)
+
+
+def test_preemption_when_the_cache_runs_out_gives_the_same_tokens(model):
+    groups = prompts(3, size=2)
+    roomy = asyncio.run(play(engine(model, max_slots=8, cache_tokens=4096), groups, greedy=True))
+    tight = engine(model, max_slots=8, cache_tokens=112, block_size=8)  # a few sequences' worth at a time
+    squeezed = asyncio.run(play(tight, groups, greedy=True))
+    assert tight.stats().extra.get("preempted", 0) > 0
+    assert tokens_of(squeezed) == tokens_of(roomy)
+
+
+def test_logprobs_and_routing_match_a_fresh_learner_forward(model):
+    e = engine(model, max_slots=8, cache_tokens=4096)
+    result = asyncio.run(play(e, prompts(2), turns=3))
+    groups = prompts(2)
+    for sid, rec in result.items():
+        gid, m = sid.split("/")
+        tokens, mask, logprobs = list(groups[gid][0]), [0] * len(groups[gid][0]), [0.0] * len(groups[gid][0])
+        for t, (new, lps, _versions) in enumerate(rec[:-1]):
+            append = tool_result(int(m), t)
+            tokens += append + new
+            mask += [0] * len(append) + [1] * len(new)
+            logprobs += [0.0] * len(append) + lps
+        record = rec[-1]
+        assert record.fed_tokens == len(tokens) - 1  # the last sampled token is never fed
+        routing = torch.full((1, len(tokens), *record.routing.shape[1:]), -1, dtype=torch.long)
+        routing[0, :record.fed_tokens] = torch.from_numpy(record.routing.astype("int64"))
         with torch.no_grad():
-            full = model(ids, routing=routing, return_token_logprobs=True).token_logprobs[0]  # the learner's path
-            free = model(ids, return_routing=True)
-        mask = torch.tensor(row.loss_mask, dtype=torch.bool)
-        assert mask.sum() > 0
-        torch.testing.assert_close(full[mask], torch.tensor(row.logprobs)[mask], atol=2e-4, rtol=0)
-        fed = len(row.routing)  # the last sampled token is never fed to the model
-        assert torch.equal(free.routing[0, :fed], routing[0, :fed])
+            full = model(torch.tensor([tokens]), routing=routing, return_token_logprobs=True).token_logprobs[0]
+            free = model(torch.tensor([tokens]), return_routing=True)
+        real = torch.tensor(mask, dtype=torch.bool)
+        gap = (full[real] - torch.tensor(logprobs)[real]).abs().max().item()
+        assert gap < 2e-4, f"{sid}: train-vs-rollout logprob gap {gap}"
+        assert torch.equal(free.routing[0, :record.fed_tokens], routing[0, :record.fed_tokens])
+
+
+def test_long_episode_past_the_old_cap(model):
+    """Thousands of tokens of tool output, prefilled in chunks, far past the old 512-token cap."""
+    e = engine(model, max_slots=2, cache_tokens=8192, block_size=64, max_batch_tokens=512)
+
+    async def long_episode():
+        await e.start_group(["x"], list(range(10, 60)))
+        total = 50
+        for t in range(3):
+            append = [] if t == 0 else [(11 * i + t) % 280 + 10 for i in range(1500)]
+            o = await e.generate("x", append, params(seed=4, greedy=True, n=8))
+            total += len(append) + len(o.tokens)
+        return total, await e.finish("x")
+
+    total, record = asyncio.run(long_episode())
+    assert total > 3000 and record.fed_tokens == total - 1
+
+
+def test_a_sequence_larger_than_the_whole_cache_fails_its_turn_clearly(model):
+    e = engine(model, max_slots=2, cache_tokens=64, block_size=16)
+
+    async def too_long():
+        await e.start_group(["x"], list(range(10, 200)))
+        await e.generate("x", [], params(seed=1))
+
+    with pytest.raises(RuntimeError, match="needs 190 tokens of cache"):
+        asyncio.run(too_long())
+
+
+def test_sampling_depends_only_on_seed_and_position():
+    logits = torch.randn(3, 50)
+    temp, top_p = torch.ones(3), torch.ones(3)
+    seeds, counters = torch.tensor([1, 2, 1]), torch.tensor([0, 0, 0])
+    tokens, logp = sample_tokens(logits, temp, top_p, seeds, counters)
+    for b in range(3):  # each row alone draws the same token
+        t1, l1 = sample_tokens(logits[b:b + 1], temp[:1], top_p[:1], seeds[b:b + 1], counters[b:b + 1])
+        assert t1.item() == tokens[b].item() and l1.item() == pytest.approx(logp[b].item())
+    u = uniform_noise(torch.tensor([7]), torch.tensor([3]), 100_000)
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+
+
+def test_sampling_follows_the_processed_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    n = 20_000
+    seeds = torch.arange(n)
+    tokens, logp = sample_tokens(logits.expand(n, -1), torch.full((n,), 0.7), torch.ones(n), seeds, torch.zeros(n))
+    expected = torch.softmax(logits[0] / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=4).double() / n
+    torch.testing.assert_close(freq, expected.double(), atol=0.015, rtol=0)
+    torch.testing.assert_close(logp, expected.log()[tokens])
 
 
 def test_top_p_samples_only_from_the_nucleus_and_reports_its_logprob():
     logits = torch.tensor([[3.0, 2.0, 0.0, -1.0]]).repeat(400, 1)
-    gen = torch.Generator().manual_seed(0)
-    tokens, logp = sample_token(logits, temperature=1.0, top_p=0.7, generator=gen)
+    tokens, logp = sample_tokens(logits, torch.ones(400), torch.full((400,), 0.7), torch.arange(400), torch.zeros(400))
     assert set(tokens.tolist()) <= {0, 1}
     nucleus = torch.softmax(torch.tensor([3.0, 2.0]), -1).log()
     torch.testing.assert_close(logp, nucleus[tokens])
-    greedy, _ = sample_token(logits[:1], temperature=0.0, top_p=1.0, generator=gen)
-    assert greedy.item() == 0
+    greedy, lp = sample_tokens(logits[:1], torch.zeros(1), torch.ones(1), torch.zeros(1), torch.zeros(1))
+    assert greedy.item() == 0 and lp.item() == 0.0
+    assert processed_logprobs(logits[:1], torch.ones(1), torch.full((1,), 0.7))[0, 2] == float("-inf")

@@ -52,9 +52,11 @@ def test_short_run_then_resume(tmp_path, ray_session):
     metrics = [m for m in read_metrics(run_dir) if m["step"] >= 0]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics:
-        assert m["rollout/samples"] == 8
+        # every drawn group is reported; those whose rewards all agree are dropped and replaced
+        assert m["rollout/samples"] >= 8 and m["rollout/trained_samples"] <= 8
+        assert m["rollout/samples"] == 2 * (m["rollout/trained_samples"] / 2 + m.get("rollout/dropped_uniform_groups", 0))
         assert 0.0 <= m["rollout/reward"] <= 1.0
-        assert m["rollout/tokens_per_s"] > 0
+        assert m["rollout/tokens_per_s"] > 0 and m["async/staleness_max"] == 0 if m["rollout/trained_samples"] else True
         assert "rollout/effort/low/reward" in m or "rollout/effort/max/reward" in m or "rollout/effort/medium/reward" in m
     assert (run_dir / "config.yaml").exists() and (run_dir / "eval_after.json").exists()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_2"
@@ -80,6 +82,7 @@ def test_killed_rollout_worker_reissues_its_groups(tmp_path, ray_session):
     import ray
 
     config = write_config(tmp_path, train={"steps": 4, "micro_batches": 1},
+                          rollout={**TINY["rollout"], "drop_uniform_groups": False},
                           eval={"tasks_per_env": 1, "efforts": ["low"], "before_and_after": False})
     error: list[BaseException] = []
 
@@ -111,7 +114,7 @@ def test_killed_rollout_worker_reissues_its_groups(tmp_path, ray_session):
         counts = Counter(uids)
         assert len(uids) == 8, f"step {step} has {len(uids)} samples"
         assert max(counts.values()) == 1, f"step {step} counted a sample twice"
-        assert {u.rsplit('/', 1)[0] for u in uids} == {f"s{step}/g{g}" for g in range(4)}
+        assert {u.rsplit('/', 1)[0] for u in uids} == {f"g{4 * step + g}" for g in range(4)}
 
 
 BROKEN_ENV = '''

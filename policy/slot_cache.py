@@ -1,0 +1,245 @@
+"""Cache memory for a serving engine: many sequences, each in a slot, none copied to change another.
+
+KDA layers keep a fixed-size recurrent state and short-conv window per slot (preallocated
+[max_slots, ...] tensors). MLA/DSA layers keep their latent keys in fixed-size blocks of a shared
+pool; each slot has a block table (vLLM's paged layout). A forward over some slots reads a
+`ModelCache` view (`view`), and `commit` writes the new KDA states back into their slots; the MLA
+view writes the new keys straight into the slots' blocks.
+
+Forking (one prompt, a GRPO group of continuations) shares the prompt's full blocks between the
+slots (reference counts) and copies only the last, partly filled block: a slot only ever writes at
+positions past its own length, so a shared full block is never written again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KDACache, MLACache, ModelCache
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class _MLAPool:
+    latent: Tensor  # [n_blocks * block, kv_lora_rank]
+    k_rope: Tensor  # [n_blocks * block, rope_dim]
+    index_k: Tensor | None  # [n_blocks * block, index_head_dim] (DSA)
+
+
+class PagedMLAView:
+    """One MLA layer's keys for the rows of a forward: their past (gathered from the blocks, each
+    row's keys at the front, shorter rows padded with invalid slots) and, on `append`, the new
+    tokens, whose real ones are written into the blocks."""
+
+    def __init__(self, pool: _MLAPool, past_index: Tensor, past_valid: Tensor, write_index: Tensor) -> None:
+        self.pool = pool
+        self.past_index = past_index  # [B, P] flat pool positions (any position where invalid)
+        self.past_valid = past_valid  # [B, P] bool
+        self.write_index = write_index  # [B, T] flat pool positions of the new tokens, -1 for padding
+
+    @property
+    def seq_len(self) -> int:
+        return self.past_index.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.past_index.shape[0]
+
+    def append(self, latent: Tensor, k_rope: Tensor, index_k: Tensor | None,
+               valid: Tensor | None = None) -> MLACache:
+        real = self.write_index >= 0
+        if valid is not None:
+            real = real & valid
+        where = self.write_index[real]
+        self.pool.latent[where] = latent[real].to(self.pool.latent.dtype)
+        self.pool.k_rope[where] = k_rope[real].to(self.pool.k_rope.dtype)
+        if index_k is not None and self.pool.index_k is not None:
+            self.pool.index_k[where] = index_k[real].to(self.pool.index_k.dtype)
+
+        def past(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[self.past_index]
+
+        ik = None
+        if index_k is not None:
+            ik = torch.cat([past(self.pool.index_k).to(index_k.dtype), index_k], 1)
+        return MLACache(torch.cat([past(self.pool.latent).to(latent.dtype), latent], 1),
+                        torch.cat([past(self.pool.k_rope).to(k_rope.dtype), k_rope], 1),
+                        torch.cat([self.past_valid, real], 1), ik)
+
+
+class CacheFull(RuntimeError):
+    """No free slot or block for what was asked (the engine waits or preempts)."""
+
+
+class SlotCache:
+    def __init__(self, model: torch.nn.Module, max_slots: int, num_blocks: int, block_size: int = 16,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        if max_slots < 1 or num_blocks < 1 or block_size < 1:
+            raise ValueError(f"SlotCache: max_slots, num_blocks and block_size must be >= 1, "
+                             f"got {max_slots}, {num_blocks}, {block_size}")
+        ref = model.lm_head.weight
+        device = ref.device if device is None else torch.device(device)
+        dtype = ref.dtype if dtype is None else dtype
+        self.max_slots, self.num_blocks, self.block_size = max_slots, num_blocks, block_size
+        self.device = device
+        self.layers = list(model.model.layers)
+        self._kda: dict[int, KDACache] = {}
+        self._mla: dict[int, _MLAPool] = {}
+        for i, layer in enumerate(self.layers):
+            mixer = layer.self_attn
+            if layer.kind == "kda":
+                self._kda[i] = mixer.empty_cache(max_slots, device, dtype)
+            else:
+                rows = num_blocks * block_size
+                ik = (torch.zeros(rows, mixer.indexer.head_dim, device=device, dtype=dtype)
+                      if mixer.sparse else None)
+                self._mla[i] = _MLAPool(torch.zeros(rows, mixer.kv_lora, device=device, dtype=dtype),
+                                        torch.zeros(rows, mixer.rope, device=device, dtype=dtype), ik)
+        self.lengths = [0] * max_slots  # tokens each slot's cache holds
+        self.tables: list[list[int]] = [[] for _ in range(max_slots)]
+        # the block tables again as one tensor, for vectorised position lookups in `view`
+        self._table_t = torch.zeros(max_slots, num_blocks, dtype=torch.long)
+        self.refs = [0] * num_blocks
+        self._free_blocks = list(range(num_blocks - 1, -1, -1))
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+
+    # ---- sizing ------------------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+        """Fixed memory of one slot (KDA states and windows of every KDA layer)."""
+        esize = torch.empty((), dtype=dtype or model.lm_head.weight.dtype).element_size()
+        total = 0
+        for layer in model.model.layers:
+            if layer.kind == "kda":
+                m = layer.self_attn
+                total += m.HV * m.K * m.V * 4 + (m.W - 1) * m.conv_channels() * esize
+        return total
+
+    @staticmethod
+    def bytes_per_token(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+        """Memory one cached token takes (latent keys of every MLA/DSA layer)."""
+        esize = torch.empty((), dtype=dtype or model.lm_head.weight.dtype).element_size()
+        total = 0
+        for layer in model.model.layers:
+            if layer.kind != "kda":
+                m = layer.self_attn
+                total += (m.kv_lora + m.rope + (m.indexer.head_dim if m.sparse else 0)) * esize
+        return total
+
+    # ---- slots and blocks --------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def blocks_needed(self, slot: int, length: int) -> int:
+        """Blocks `slot` must still take to hold `length` tokens."""
+        if not self._mla:
+            return 0
+        return max(0, -(-length // self.block_size) - len(self.tables[slot]))
+
+    def alloc(self) -> int:
+        if not self._free_slots:
+            raise CacheFull("no free slot")
+        slot = self._free_slots.pop()
+        self.lengths[slot] = 0
+        for c in self._kda.values():
+            c.state[slot].zero_()
+            c.conv[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        for block in self.tables[slot]:
+            self._unref(block)
+        self.tables[slot] = []
+        self.lengths[slot] = 0
+        self._free_slots.append(slot)
+
+    def _set_table(self, slot: int, table: list[int]) -> None:
+        self.tables[slot] = table
+        if table:
+            self._table_t[slot, :len(table)] = torch.tensor(table)
+
+    def _unref(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self._free_blocks.append(block)
+
+    def _take_block(self) -> int:
+        if not self._free_blocks:
+            raise CacheFull("no free cache block")
+        block = self._free_blocks.pop()
+        self.refs[block] = 1
+        return block
+
+    def reserve(self, slot: int, length: int) -> None:
+        """Make `slot` able to hold `length` tokens (raises CacheFull, taking nothing, if it cannot)."""
+        need = self.blocks_needed(slot, length)
+        if need > len(self._free_blocks):
+            raise CacheFull(f"slot needs {need} blocks, {len(self._free_blocks)} free")
+        if need:
+            self._set_table(slot, self.tables[slot] + [self._take_block() for _ in range(need)])
+
+    def fork(self, src: int, dst: int) -> None:
+        """Make slot `dst` a copy of `src` (same length and state; full blocks shared)."""
+        for i, c in self._kda.items():
+            c.state[dst].copy_(c.state[src])
+            c.conv[dst].copy_(c.conv[src])
+        for block in self.tables[dst]:
+            self._unref(block)
+        n = self.lengths[src]
+        full = n // self.block_size
+        table = list(self.tables[src][:full])
+        for block in table:
+            self.refs[block] += 1
+        if n % self.block_size:  # the last block is still being written: a private copy
+            block = self._take_block()
+            a, b = self.tables[src][full] * self.block_size, block * self.block_size
+            for pool in self._mla.values():
+                for t in (pool.latent, pool.k_rope, pool.index_k):
+                    if t is not None:
+                        t[b:b + self.block_size] = t[a:a + self.block_size]
+            table.append(block)
+        self._set_table(dst, table)
+        self.lengths[dst] = n
+
+    # ---- forward views -----------------------------------------------------------------------
+    def view(self, slots: list[int], n_new: list[int], width: int) -> ModelCache:
+        """The cache of `slots` for a forward of `width` new tokens per row, of which row b's first
+        n_new[b] are real (the rest padding). Blocks for them must be reserved."""
+        idx = torch.tensor(slots, device=self.device)
+        past_len = [self.lengths[s] for s in slots]
+        lens = torch.tensor(past_len, dtype=torch.long)
+        bs, P = self.block_size, max(past_len)
+        tables = self._table_t.index_select(0, torch.tensor(slots))
+        pos = torch.arange(P)
+        past_valid = pos[None] < lens[:, None]  # [B, P]
+        past_index = tables[:, pos // bs] * bs + pos % bs  # rows' keys at the front; invalid ones point anywhere
+        new_pos = lens[:, None] + torch.arange(width)[None]  # [B, width]
+        real = torch.arange(width)[None] < torch.tensor(n_new)[:, None]
+        blocks = tables.gather(1, (new_pos // bs).clamp(max=self.num_blocks - 1))
+        write_index = torch.where(real, blocks * bs + new_pos % bs, -1)
+        past_index, past_valid, write_index = (t.to(self.device) for t in (past_index, past_valid, write_index))
+        layers = []
+        for i in range(len(self.layers)):
+            if i in self._kda:
+                c = self._kda[i]
+                layers.append(KDACache(c.state.index_select(0, idx), c.conv.index_select(0, idx)))
+            else:
+                layers.append(PagedMLAView(self._mla[i], past_index, past_valid, write_index))
+        return ModelCache(layers, torch.tensor(past_len, dtype=torch.long, device=self.device))
+
+    def commit(self, slots: list[int], out: ModelCache, n_new: list[int]) -> None:
+        """After the forward: the slots' new KDA states, and their lengths grown by n_new."""
+        idx = torch.tensor(slots, device=self.device)
+        for i, c in self._kda.items():
+            new = out.layers[i]
+            c.state.index_copy_(0, idx, new.state.to(c.state.dtype))
+            c.conv.index_copy_(0, idx, new.conv.to(c.conv.dtype))
+        for s, n in zip(slots, n_new):
+            self.lengths[s] += n

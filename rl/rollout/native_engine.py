@@ -1,0 +1,307 @@
+"""The native rollout engine: our hybrid policy served with continuous batching.
+
+Sequences join and leave the running batch at every step. A step runs at most two forwards: one
+decode forward over every sequence with exactly one token to feed, and one prefill forward over
+sequences with several (a new group's prompt, a tool result), right-padded and bounded by
+`max_batch_tokens` (longer inputs are fed in chunks over several steps). Each sequence lives in a
+cache slot (policy.slot_cache): KDA states per slot, MLA keys in shared blocks, so no step copies
+another sequence's cache. A group's prompt is prefilled once and forked into its members.
+
+When the cache runs out of blocks, the newest sequence is preempted: its memory is freed, and it
+is prefilled again from its tokens when room returns (recomputation, as vLLM does).
+
+The model runs in a worker thread, so the event loop keeps accepting requests (and environment
+replies keep arriving) while a forward is in flight. Weight updates wait for the forward in flight
+and apply before the next one; sequences continue under the new weights (partial rollouts), each
+token recording the version that sampled it."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from policy.slot_cache import CacheFull, SlotCache
+from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams, SequenceRecord, TurnOutput, WeightUpdate
+from rl.rollout.sampling import sample_tokens
+
+
+@dataclass
+class _Turn:
+    params: SamplingParams
+    future: asyncio.Future
+    out: TurnOutput = field(default_factory=lambda: TurnOutput([], [], [], False))
+
+
+@dataclass
+class _Seq:
+    seq_id: str
+    tokens: list[int]
+    fed: int = 0  # tokens[:fed] are in the cache
+    slot: int | None = None
+    logits: torch.Tensor | None = None  # next-token logits once everything is fed
+    turn: _Turn | None = None
+    sampled: int = 0  # tokens sampled so far: the position in the sequence's random stream
+    routing: list[np.ndarray] = field(default_factory=list)  # per fed token [n_moe, k]
+    fork_of: "_Seq | None" = None  # waiting to copy this sequence's cache once it is prefilled
+    admitted: float = 0.0  # for preemption order (newest first)
+
+
+class NativeEngine(RolloutEngine):
+    def __init__(self, model: torch.nn.Module, max_slots: int = 64, cache_tokens: int = 65536,
+                 block_size: int = 16, max_batch_tokens: int = 2048, record_routing: bool = True,
+                 name: str = "native") -> None:
+        self.model = model.eval()
+        self.name = name
+        self.record_routing = record_routing
+        self.max_batch_tokens = max_batch_tokens
+        num_blocks = max(1, -(-cache_tokens // block_size))
+        self.cache = SlotCache(model, max_slots=max_slots, num_blocks=num_blocks, block_size=block_size)
+        self.seqs: dict[str, _Seq] = {}
+        self.version = -1
+        self._stats = EngineStats()
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._lock: asyncio.Lock | None = None  # held by a forward; a weight update waits for it
+        self._device = model.lm_head.weight.device
+
+    # ---- the contract (coroutines of the actor's event loop; they change state only between steps)
+    async def start_group(self, seq_ids: list[str], prompt: list[int]) -> None:
+        self._ensure_loop()
+        if not prompt:
+            raise ValueError("start_group: the prompt is empty")
+        async with self._lock:
+            now = time.monotonic()
+            parent = _Seq(seq_ids[0], list(prompt), admitted=now)
+            self.seqs[parent.seq_id] = parent
+            for sid in seq_ids[1:]:
+                self.seqs[sid] = _Seq(sid, list(prompt), fork_of=parent, admitted=now)
+        self._wake.set()
+
+    async def generate(self, seq_id: str, append: list[int], params: SamplingParams) -> TurnOutput:
+        self._ensure_loop()
+        async with self._lock:
+            seq = self.seqs.get(seq_id)
+            if seq is None:
+                raise KeyError(f"generate: unknown sequence {seq_id!r} (start_group first)")
+            if seq.turn is not None:
+                raise RuntimeError(f"generate: sequence {seq_id!r} already has a turn in flight")
+            if append:
+                seq.tokens.extend(append)
+                seq.logits = None
+            seq.turn = _Turn(params, asyncio.get_running_loop().create_future())
+        self._wake.set()
+        return await seq.turn.future
+
+    async def finish(self, seq_id: str) -> SequenceRecord:
+        self._ensure_loop()
+        async with self._lock:
+            seq = self.seqs.pop(seq_id, None)
+            if seq is None:
+                return SequenceRecord(fed_tokens=0)
+            if seq.turn is not None and not seq.turn.future.done():
+                seq.turn.future.cancel()
+            for other in self.seqs.values():  # a member still waiting to fork from it is prefilled alone
+                if other.fork_of is seq:
+                    other.fork_of = None
+            if seq.slot is not None:
+                self.cache.free(seq.slot)
+        self._wake.set()  # its memory may let a waiting sequence in
+        routing = np.stack(seq.routing).astype(np.int16) if seq.routing else None
+        return SequenceRecord(fed_tokens=seq.fed, routing=routing)
+
+    async def update_weights(self, weights: WeightUpdate, version: int) -> None:
+        self._ensure_loop()
+        async with self._lock:
+            self.model.load_state_dict(weights)
+            self.version = version
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.running = sum(q.slot is not None for q in self.seqs.values())
+        s.waiting = sum(q.slot is None for q in self.seqs.values())
+        s.extra["free_blocks"] = float(self.cache.free_blocks)
+        return s
+
+    def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for seq in self.seqs.values():
+            if seq.turn is not None and not seq.turn.future.done():
+                seq.turn.future.cancel()
+        self.seqs.clear()
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._lock = asyncio.Lock()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            progressed = True
+            while progressed:
+                async with self._lock:
+                    started = time.perf_counter()
+                    try:
+                        progressed = await asyncio.to_thread(self._step)
+                    except Exception as exc:  # noqa: BLE001 - a failed step fails the turns in flight, not the engine
+                        progressed = False
+                        for seq in self.seqs.values():
+                            self._fail(seq, RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}"))
+                    self._stats.busy_s += time.perf_counter() - started
+                await asyncio.sleep(0)  # requests and weight updates get in between two steps
+
+    @torch.no_grad()
+    def _step(self) -> bool:
+        """One scheduling round: feed what is waiting (one decode forward, one prefill forward),
+        fork prefilled group prompts, sample. Returns whether anything happened."""
+        parents = {id(s.fork_of) for s in self.seqs.values() if s.fork_of is not None}
+        wanting = sorted((s for s in self.seqs.values() if s.fork_of is None and s.fed < len(s.tokens)
+                          and (s.turn is not None or id(s) in parents)), key=lambda s: s.admitted)
+        decode: list[_Seq] = []
+        prefill: list[tuple[_Seq, int]] = []
+        chosen: set[int] = set()  # fed this step: never preempted by a later one
+        budget = self.max_batch_tokens
+        for seq in wanting:
+            todo = len(seq.tokens) - seq.fed
+            take = 1 if todo == 1 else min(todo, budget)
+            if take < 1 or not self._make_room(seq, seq.fed + take, chosen):
+                continue
+            chosen.add(id(seq))
+            if take == 1:
+                decode.append(seq)
+            else:
+                prefill.append((seq, take))
+                budget -= take
+        if decode:
+            self._forward(decode, [1] * len(decode))
+        if prefill:
+            self._forward([s for s, _ in prefill], [n for _, n in prefill])
+        forked = [s for s in list(self.seqs.values()) if s.fork_of is not None
+                  and s.fork_of.slot is not None and s.fork_of.fed == len(s.fork_of.tokens)
+                  and s.fork_of.logits is not None]
+        for child in forked:
+            self._fork(child)
+        ready = [s for s in self.seqs.values() if s.turn is not None and s.logits is not None and s.fork_of is None]
+        if ready:
+            self._sample(ready)
+        self._stats.steps += 1
+        return bool(decode or prefill or forked or ready)
+
+    def _make_room(self, seq: _Seq, length: int, chosen: set[int]) -> bool:
+        """A slot and blocks for `seq` up to `length` tokens, preempting newer sequences if needed;
+        False when it must wait. A sequence larger than the whole cache fails its turn."""
+        capacity = self.cache.num_blocks * self.cache.block_size
+        if length > capacity:
+            self._fail(seq, RuntimeError(f"sequence {seq.seq_id!r} needs {length} tokens of cache; the engine "
+                                         f"holds {capacity} (raise rollout.cache_tokens or lower max_context)"))
+            return False
+        while True:
+            try:
+                if seq.slot is None:
+                    seq.slot = self.cache.alloc()
+                self.cache.reserve(seq.slot, length)
+                return True
+            except CacheFull:
+                victims = [s for s in self.seqs.values() if s.slot is not None and s is not seq
+                           and s.admitted >= seq.admitted and id(s) not in chosen and not self._is_parent(s)]
+                if not victims:
+                    if seq.slot is not None and seq.fed == 0:
+                        self.cache.free(seq.slot)  # hold nothing while waiting
+                        seq.slot = None
+                    return False
+                self._preempt(max(victims, key=lambda s: s.admitted))
+
+    def _is_parent(self, seq: _Seq) -> bool:
+        return any(o.fork_of is seq for o in self.seqs.values())
+
+    def _fail(self, seq: _Seq, error: Exception) -> None:
+        turn, seq.turn = seq.turn, None
+        if turn is not None and not turn.future.done():
+            turn.future.get_loop().call_soon_threadsafe(_reject, turn.future, error)
+
+    def _preempt(self, seq: _Seq) -> None:
+        self.cache.free(seq.slot)
+        seq.slot, seq.fed, seq.logits = None, 0, None
+        seq.routing = []
+        self._stats.extra["preempted"] = self._stats.extra.get("preempted", 0.0) + 1
+
+    def _fork(self, child: _Seq) -> None:
+        parent = child.fork_of
+        child.fork_of = None
+        try:
+            child.slot = self.cache.alloc()
+            self.cache.fork(parent.slot, child.slot)
+        except CacheFull:  # no room now: it is prefilled on its own later
+            if child.slot is not None:
+                self.cache.free(child.slot)
+                child.slot = None
+            return
+        child.fed = parent.fed
+        child.logits = parent.logits
+        child.routing = list(parent.routing)
+
+    def _forward(self, seqs: list[_Seq], take: list[int]) -> None:
+        width = max(take)
+        slots = [s.slot for s in seqs]
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+        for b, (s, n) in enumerate(zip(seqs, take)):
+            ids[b, :n] = torch.tensor(s.tokens[s.fed:s.fed + n])
+            mask[b, :n] = True
+        view = self.cache.view(slots, take, width)
+        padded = min(take) < width
+        out = self.model(ids.to(self._device), cache=view, use_cache=True, logits_to_keep=1,
+                         return_routing=self.record_routing, token_mask=mask.to(self._device) if padded else None)
+        self.cache.commit(slots, out.cache, take)
+        logits = out.logits[:, -1]
+        routing = None
+        if self.record_routing and out.routing is not None:
+            routing = out.routing.to(torch.int16).cpu().numpy()
+        for b, (s, n) in enumerate(zip(seqs, take)):
+            s.fed += n
+            s.logits = logits[b] if s.fed == len(s.tokens) else None
+            if routing is not None:
+                s.routing.extend(routing[b, :n])
+        if width > 1:
+            self._stats.prefill_tokens += sum(take)
+
+    def _sample(self, seqs: list[_Seq]) -> None:
+        params = [s.turn.params for s in seqs]
+        dev = self._device
+        tokens, logprobs = sample_tokens(
+            torch.stack([s.logits for s in seqs]),
+            torch.tensor([p.temperature for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], device=dev),
+            torch.tensor([p.seed for p in params], device=dev),
+            torch.tensor([s.sampled for s in seqs], device=dev))
+        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            turn = s.turn
+            s.tokens.append(tok)
+            s.sampled += 1
+            s.logits = None
+            turn.out.tokens.append(tok)
+            turn.out.logprobs.append(lp)
+            turn.out.versions.append(self.version)
+            stopped = tok in turn.params.stop_ids
+            if stopped or len(turn.out.tokens) >= turn.params.max_new_tokens:
+                turn.out.stopped = stopped
+                s.turn = None
+                turn.future.get_loop().call_soon_threadsafe(_resolve, turn.future, turn.out)
+        self._stats.generated_tokens += len(seqs)
+
+
+def _resolve(future: asyncio.Future, value: TurnOutput) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _reject(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
