@@ -37,8 +37,9 @@ def start_ray(cfg: RunConfig) -> bool:
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": actor_env()}, log_to_driver=False)
         return False
     temp_dir = cfg.ray.temp_dir or str(REPO / ".cache" / "ray")
-    ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             _temp_dir=temp_dir, configure_logging=False, runtime_env={"env_vars": actor_env()})
+    # address="local": a new cluster of our own, never one a `ray start` left on this machine
+    ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
+             log_to_driver=False, _temp_dir=temp_dir, configure_logging=False, runtime_env={"env_vars": actor_env()})
     return True
 
 

@@ -18,6 +18,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # our own cluster, never one another process started with `ray start`
             num_cpus=2,
             include_dashboard=False,
             log_to_driver=False,

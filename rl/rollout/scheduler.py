@@ -105,7 +105,7 @@ class RolloutScheduler:
         self.ready_items: dict[str, WorkItem] = {}
         self.consumed_groups = 0
         self.draws_since_batch = 0  # new draws since the last batch was taken (capped)
-        self.dropped: list[Sample] = []  # samples of groups dropped since the last batch (reported with it)
+        self.dropped: dict[int, list[Sample]] = {}  # groups dropped since the last batch, by stream index
         self.counters: dict[str, float] = {}
         self.errors: list[str] = []
 
@@ -213,7 +213,7 @@ class RolloutScheduler:
                 self.errors.append(outcome.error or f"group {uid} failed")
             elif self.cfg.drop_uniform_groups and len({s.reward for s in outcome.samples}) == 1:
                 self._count("rollout/dropped_uniform_groups")
-                self.dropped.extend(outcome.samples)
+                self.dropped[outcome.item.index] = outcome.samples
             elif min(s.weight_version for s in outcome.samples) < self.version - self.cfg.max_staleness:
                 self.reissue.append(outcome.item)  # finished, but only under weights now too old
                 self._count("async/aborted_groups")
@@ -242,7 +242,8 @@ class RolloutScheduler:
             self.consumed_groups += len(uids)
             counters, self.counters = self.counters, {}
             errors, self.errors = self.errors, []
-            dropped, self.dropped = self.dropped, []
+            dropped = [s for index in sorted(self.dropped) for s in self.dropped[index]]  # stream order
+            self.dropped = {}
             self._changed.notify_all()
         # rollout statistics cover every group reported now, dropped ones included (dropping the
         # all-correct and all-wrong groups would bias the reward curve)
