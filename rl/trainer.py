@@ -252,8 +252,13 @@ class _EngineClock:
         self.last = self._read()
 
     def _read(self) -> tuple[float, float]:
-        stats = ray.get([w.stats.remote() for w in self.workers])
-        return time.monotonic(), sum(s.busy_s for s in stats)
+        busy = 0.0
+        for ref in [w.stats.remote() for w in self.workers]:
+            try:
+                busy += ray.get(ref).busy_s
+            except ray.exceptions.RayError:  # a worker restarting: its share counts as idle
+                pass
+        return time.monotonic(), busy
 
     def idle_fraction(self) -> float:
         (t0, b0), (t1, b1) = self.last, self._read()

@@ -24,6 +24,12 @@ class WorkItem:
     temperature: float
     top_p: float
     index: int = -1  # position in the run's stream of training groups (-1: evaluation)
+    attempt: int = 0  # which attempt of the run this is (set by the scheduler: attempts never share episode ids)
+
+    @property
+    def episode_prefix(self) -> str:
+        """Key of this attempt's episodes in the engine and the environment worker."""
+        return self.uid if self.attempt == 0 else f"{self.uid}#{self.attempt}"
 
 
 @dataclass

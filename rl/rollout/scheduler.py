@@ -20,9 +20,10 @@ whose environment keeps raising is reported and left out."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,7 @@ class RolloutScheduler:
         self.plan = plan
         self.cfg = cfg
         self.load = [0] * len(self.workers)
+        self._attempt_ids = itertools.count(1)
         self.down: dict[int, asyncio.Task] = {}  # workers restarting (Ray restarts them): not given groups
         self.weights_ref: list = []  # [ObjectRef] of the newest weights, wrapped so Ray does not fetch it here
         self.version = -1  # newest policy version pushed to the workers
@@ -103,7 +105,7 @@ class RolloutScheduler:
         self.flight_version: dict[str, int] = {}  # uid -> newest weights when it was issued
         self.ready: dict[str, list[Sample]] = {}  # whole informative groups not yet trained on
         self.ready_items: dict[str, WorkItem] = {}
-        self.consumed_groups = 0
+        self.batches_taken = 0
         self.draws_since_batch = 0  # new draws since the last batch was taken (capped)
         self.dropped: dict[int, list[Sample]] = {}  # groups dropped since the last batch, by stream index
         self.counters: dict[str, float] = {}
@@ -114,7 +116,12 @@ class RolloutScheduler:
         """Push new weights to every worker (each loads them between two forward passes); drop what
         could now only be trained too stale. Returns the seconds the push took."""
         started = time.monotonic()
-        await asyncio.gather(*[w.set_weights.remote(wrapped_ref[0], version) for w in self.workers])
+        pushes = [w.set_weights.remote(wrapped_ref[0], version) for w in self.workers]
+        for w, outcome in enumerate(await asyncio.gather(*pushes, return_exceptions=True)):
+            if isinstance(outcome, WORKER_FAILURES) and w not in self.down:  # restarting: it gets them when back
+                self.down[w] = asyncio.get_running_loop().create_task(self._bring_back(w))
+            elif isinstance(outcome, BaseException) and not isinstance(outcome, WORKER_FAILURES):
+                raise outcome
         async with self._changed:
             self.weights_ref, self.version = wrapped_ref, version
             self._retire_stale()
@@ -174,7 +181,7 @@ class RolloutScheduler:
         if not self.reissue and self.draws_since_batch >= self._draw_cap():
             return False  # dynamic sampling at its cap: the next batch takes what is ready
         live = len(self.flights) + len(self.ready)
-        landing_batch = (self.consumed_groups + live) // self.cfg.groups_per_step
+        landing_batch = self.batches_taken + live // self.cfg.groups_per_step
         return landing_batch <= self.version + self.cfg.max_staleness
 
     async def _produce(self) -> None:
@@ -239,7 +246,7 @@ class RolloutScheduler:
             samples = [s for u in uids for s in self.ready.pop(u)]
             for u in uids:
                 self.ready_items.pop(u)
-            self.consumed_groups += len(uids)
+            self.batches_taken += 1
             counters, self.counters = self.counters, {}
             errors, self.errors = self.errors, []
             dropped = [s for index in sorted(self.dropped) for s in self.dropped[index]]  # stream order
@@ -271,6 +278,9 @@ class RolloutScheduler:
                 await self._changed.wait_for(lambda: any(w not in self.down for w in range(len(self.workers))))
             w = min((w for w in range(len(self.workers)) if w not in self.down), key=lambda w: self.load[w])
             self.load[w] += 1
+            # every attempt has its own episode ids: a cancelled attempt's clean-up, arriving late,
+            # can never release the episodes of the next one
+            item = replace(item, attempt=next(self._attempt_ids))
             ref = self.workers[w].run_group.remote(item)
             try:
                 return GroupOutcome(item, await ref, reissued)
@@ -324,7 +334,7 @@ class RolloutScheduler:
     async def _abort_episodes(self, item: WorkItem) -> None:
         """Close the half-played episodes (and sandboxes) of a group that will not finish."""
         env_worker = self.env_workers[env_worker_index(item.env, len(self.env_workers))]
-        await env_worker.abort.remote(item.uid)
+        await env_worker.abort.remote(item.episode_prefix)
 
     # -- evaluation -------------------------------------------------------------------------------
     def plan_eval(self, env: str, efforts: list[str], n_tasks: int, samples: int, temperature: float,

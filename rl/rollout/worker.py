@@ -75,7 +75,7 @@ class RolloutWorker:
         if self.engine.version < 0:
             raise NoWeightsError("rollout worker has no weights yet: call set_weights first")
         env_worker = self._env_worker(item)
-        ids = [f"{item.uid}/{i}" for i in range(item.group_size)]
+        ids = [f"{item.episode_prefix}/{i}" for i in range(item.group_size)]
         start: EpisodeStart = await env_worker.reset_group.remote(item, ids)
         try:
             prompt = self.tokenizer.apply_chat_template(start.messages, effort=item.effort, add_generation_prompt=True)
@@ -86,13 +86,13 @@ class RolloutWorker:
             return list(await asyncio.gather(*[self._episode(item, i, sid, prompt, start, env_worker)
                                                for i, sid in enumerate(ids)]))
         except BaseException:  # failed or cancelled (aborted by the scheduler): free everything it holds
-            await asyncio.shield(self._abandon(item.uid, ids, env_worker))
+            await asyncio.shield(self._abandon(item.episode_prefix, ids, env_worker))
             raise
 
-    async def _abandon(self, uid: str, ids: list[str], env_worker) -> None:
+    async def _abandon(self, prefix: str, ids: list[str], env_worker) -> None:
         for sid in ids:
             await self.engine.finish(sid)
-        await env_worker.abort.remote(uid)
+        await env_worker.abort.remote(prefix)
 
     async def _episode(self, item: WorkItem, member: int, sid: str, prompt: list[int], start: EpisodeStart,
                        env_worker) -> Sample:
@@ -126,7 +126,7 @@ class RolloutWorker:
             routing = torch.full((len(tokens), *record.routing.shape[1:]), -1, dtype=torch.int16).numpy()
             routing[:record.routing.shape[0]] = record.routing  # the last sampled token is never fed
         return Sample(
-            uid=sid, group_uid=item.uid, env=item.env, domain=start.domain, task_id=item.task_id, effort=item.effort,
+            uid=f"{item.uid}/{member}", group_uid=item.uid, env=item.env, domain=start.domain, task_id=item.task_id, effort=item.effort,
             tokens=tokens, loss_mask=loss_mask, behavior_logprobs=logprobs, token_versions=versions,
             reward=float(end.grade.reward), passed=bool(end.grade.passed), grade_error=end.grade.error,
             grader_version=end.grade.grader_version, grade_details=end.grade.details, num_turns=turns,

@@ -41,7 +41,7 @@ class SimulatedWorker:
         return version
 
     async def run_group(self, item: WorkItem) -> list[Sample]:
-        lengths = [min(400, int(self.rng.paretovariate(1.3) * 8)) for _ in range(item.group_size)]
+        lengths = [min(400, int(self.rng.paretovariate(1.3) * 30)) for _ in range(item.group_size)]
         versions: list[list[int]] = [[] for _ in lengths]
         for tick in range(max(lengths)):
             for m, n in enumerate(lengths):

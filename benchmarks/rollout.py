@@ -1,0 +1,158 @@
+"""Rollout engines side by side, in one run, on the same model weights (CPU).
+
+A Kimi-Linear-shaped toy (3 KDA + 1 MLA layer, MoE) is built with transformers'
+`KimiLinearForCausalLM`, saved, and loaded into our policy (`policy.from_pretrained`: same weights,
+logits equal to 1e-4, tests/policy/test_hf_parity.py). Then, at 1, 8, 32 and 128 concurrent
+sequences (32-token prompts, greedy, a fixed number of new tokens each):
+
+- native: rl.rollout.native_engine.NativeEngine (continuous batching, slot caches);
+- previous: the engine this one replaced (rl/rollout/engine.py at commit 94fe484, read from git,
+  given every sequence as one group: its best case);
+- transformers: `KimiLinearForCausalLM.generate` on the same batch (use_cache, greedy).
+
+Reported: decode tokens/s and episodes/s (a sequence = an episode of one turn), and the ratio
+native / transformers. Time it with nothing else running (the machine has 2 cores).
+
+    .venv/bin/python benchmarks/rollout.py                       # all three, 1/8/32/128 sequences
+    .venv/bin/python benchmarks/rollout.py --seqs 1 32 --new 32 --json /tmp/rollout.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_common import log, write_json  # noqa: E402
+
+PREVIOUS_ENGINE = "94fe484:rl/rollout/engine.py"
+
+
+def kimi_linear(vocab: int, hidden: int, seed: int):
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = KimiLinearConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None,
+        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, num_local_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, linear_head_dim=32, linear_num_heads=4, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+    return KimiLinearForCausalLM(cfg).eval()
+
+
+def previous_engine_class():
+    """The engine before this one, from git history (no copy of it lives in the tree)."""
+    source = subprocess.run(["git", "-C", str(REPO), "show", PREVIOUS_ENGINE], check=True, capture_output=True,
+                            text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "previous_engine.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("previous_engine", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["previous_engine"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.TorchEngine
+
+
+def run_native(model, prompts: list[list[int]], new: int) -> float:
+    from rl.rollout.engine_api import SamplingParams
+    from rl.rollout.native_engine import NativeEngine
+
+    engine = NativeEngine(model, max_slots=max(len(prompts), 1), cache_tokens=len(prompts) * (len(prompts[0]) + new + 32),
+                          max_batch_tokens=4096, record_routing=True)
+    engine.version = 0
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, stop_ids=frozenset(), seed=0)
+
+    async def one(i: int, prompt: list[int]) -> None:
+        await engine.start_group([f"s{i}"], prompt)
+        await engine.generate(f"s{i}", [], params)
+        await engine.finish(f"s{i}")
+
+    async def all_of_them() -> None:
+        await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+
+    started = time.perf_counter()
+    asyncio.run(all_of_them())
+    return time.perf_counter() - started
+
+
+def run_previous(engine_cls, model, prompts: list[list[int]], new: int) -> float:
+    engine = engine_cls(model, record_routing=True, seed=0)
+    started = time.perf_counter()
+    engine.start(prompts[0], len(prompts))  # every sequence as rows of one group (its best case)
+    engine.generate_turn(list(range(len(prompts))), new, stop_ids=set(), temperature=0.0, top_p=1.0)
+    return time.perf_counter() - started
+
+
+def run_transformers(hf_model, prompts: list[list[int]], new: int) -> float:
+    ids = torch.tensor(prompts)
+    started = time.perf_counter()
+    with torch.no_grad():
+        hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, use_cache=True, pad_token_id=0)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["previous", "transformers"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import policy
+
+    hf_model = kimi_linear(args.vocab, args.hidden, seed=0)
+    with tempfile.TemporaryDirectory() as d:
+        hf_model.save_pretrained(d)
+        ours = policy.from_pretrained(d)
+    previous = previous_engine_class() if "previous" not in args.skip else None
+    results: dict = {"args": vars(args), "rows": []}
+    gen = torch.Generator().manual_seed(1)
+    for n in args.seqs:
+        prompts = [torch.randint(10, args.vocab, (args.prompt,), generator=gen).tolist() for _ in range(n)]
+        if n > 1:  # the previous engine forks one prompt; give everyone the same prompt for a fair comparison
+            prompts = [prompts[0]] * n
+        row = {"sequences": n, "new_tokens": n * args.new}
+        timings = {"native": lambda: run_native(ours, prompts, args.new)}
+        if previous is not None:
+            timings["previous"] = lambda: run_previous(previous, ours, prompts, args.new)
+        if "transformers" not in args.skip:
+            timings["transformers"] = lambda: run_transformers(hf_model, prompts, args.new)
+        for name, fn in timings.items():
+            fn() if n <= 8 else None  # warm-up on small sizes (big ones are long enough)
+            seconds = fn()
+            row[f"{name}_tok_s"] = n * args.new / seconds
+            row[f"{name}_episodes_s"] = n / seconds
+            log(f"{n} sequences, {name}: {seconds:.2f} s, {n * args.new / seconds:.0f} tok/s")
+        if "transformers_tok_s" in row:
+            row["native_vs_transformers"] = row["native_tok_s"] / row["transformers_tok_s"]
+        if "previous_tok_s" in row:
+            row["native_vs_previous"] = row["native_tok_s"] / row["previous_tok_s"]
+        results["rows"].append(row)
+        write_json(results, args.json)
+    print("\n| sequences | native tok/s | previous tok/s | transformers tok/s | native / previous | native / transformers |")
+    print("|---|---|---|---|---|---|")
+    for r in results["rows"]:
+        cells = [f"{r.get(k, float('nan')):.0f}" for k in ("native_tok_s", "previous_tok_s", "transformers_tok_s")]
+        ratios = [f"{r[k]:.1f}x" if k in r else "-" for k in ("native_vs_previous", "native_vs_transformers")]
+        print(f"| {r['sequences']} | " + " | ".join(cells + ratios) + " |")
+
+
+if __name__ == "__main__":
+    main()
