@@ -131,6 +131,7 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     wandb_project: str = "kimi-rl"
+    tensorboard: bool = False  # also write scalars to RUN_DIR/tensorboard (needs the tensorboard package)
     progress: bool = True
 
 
