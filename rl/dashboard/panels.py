@@ -13,6 +13,7 @@ from typing import Callable
 from rl.dashboard.model import MetricTable, RunData
 
 PARETO_WINDOW = 10  # GRPO steps averaged for the rollout points of the effort Pareto chart
+MARKERS_UP_TO = 40  # a series this short gets point markers too (one point alone draws no line)
 OVERALL = "all"  # the series aggregating a chart's others, drawn in black
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
            "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5"]

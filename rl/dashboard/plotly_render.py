@@ -7,7 +7,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from rl.dashboard.panels import OVERALL, Chart, Plot, series_colours
+from rl.dashboard.panels import MARKERS_UP_TO, OVERALL, Chart, Plot, series_colours
 
 HEIGHT = 340
 
@@ -30,33 +30,36 @@ def figure(chart: Chart) -> go.Figure:
         plot = chart.plots[run]
         for line in plot.lines:
             fig.add_trace(go.Scatter(
-                x=line.x, y=line.y, name=line.name, mode=line.mode, legendgroup=line.name,
+                x=line.x, y=line.y, name=line.name, legendgroup=line.name,
+                mode="lines+markers" if line.mode == "lines" and len(line.x) <= MARKERS_UP_TO else line.mode,
                 showlegend=line.name not in in_legend, text=line.labels, textposition="top center",
                 stackgroup=f"stack{col}" if line.stack else None,
                 line={"color": colour[line.name], "width": 3 if line.name == OVERALL else 2},
-                marker={"color": colour[line.name], "size": 8}), row=1, col=col)
+                marker={"color": colour[line.name], "size": 8 if line.labels else 5}, cliponaxis=not line.labels), row=1, col=col)
             in_legend.add(line.name)
         if plot.heatmap is not None:
             fig.add_trace(go.Heatmap(z=plot.heatmap.z, x=plot.heatmap.x, y=plot.heatmap.y, coloraxis="coloraxis",
                                      name=run), row=1, col=col)
         axis = "" if col == 1 else str(col)
+        left, right = fig.layout[f"xaxis{axis}"].domain
+        middle = (left + right) / 2
         if not plot.has_data:
             fig.update_xaxes(visible=False, row=1, col=col)
-            if cols == 1:
-                fig.update_yaxes(visible=False, row=1, col=col)
-            fig.add_annotation(text="no data yet", xref=f"x{axis} domain", yref=f"y{axis} domain", x=0.5, y=0.55,
-                               showarrow=False, font={"size": 16, "color": "#888"})
+            fig.add_annotation(text="no data yet", xref="paper", yref="paper", x=middle, y=0.55, showarrow=False,
+                               font={"size": 16, "color": "#888"})
         if plot.missing:
-            fig.add_annotation(text=("waiting for: " if not plot.has_data else "no data yet: ") + ", ".join(plot.missing),
-                               xref=f"x{axis} domain", yref=f"y{axis} domain", x=0.5 if not plot.has_data else 0.0,
+            note = ("waiting for: " if not plot.has_data else "no data yet: ") + ", ".join(plot.missing)
+            fig.add_annotation(text=note, xref="paper", yref="paper", x=middle if not plot.has_data else left,
                                y=0.42 if not plot.has_data else 1.0, xanchor="center" if not plot.has_data else "left",
                                yanchor="top", showarrow=False, font={"size": 10, "color": "#999"})
         fig.update_xaxes(title={"text": chart.x_label, "standoff": 4}, row=1, col=col)
     fig.update_yaxes(title_text=chart.y_label, row=1, col=1)
     if chart.y_range is not None:
         fig.update_yaxes(range=list(chart.y_range))
+    if not chart.has_data:
+        fig.update_yaxes(visible=False)
     fig.update_layout(title={"text": chart.title, "font": {"size": 14}}, height=HEIGHT,
-                      margin={"l": 55, "r": 20, "t": 70, "b": 40}, uirevision=chart.id,
+                      margin={"l": 55, "r": 20, "t": 70, "b": 78}, uirevision=chart.id,
                       legend={"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom", "x": 0}, coloraxis={"colorscale": "Viridis"})
     return fig
 

@@ -10,7 +10,7 @@ import yaml
 from matplotlib.figure import Figure
 
 from rl.dashboard.model import RunData
-from rl.dashboard.panels import OVERALL, PARETO_WINDOW, Chart, Plot, Table, build_panels, effort_table, fmt, \
+from rl.dashboard.panels import MARKERS_UP_TO, OVERALL, PARETO_WINDOW, Chart, Plot, Table, build_panels, effort_table, fmt, \
     gate_table, heldout_table, series_colours
 from rl.dashboard.runfolder import is_run_folder
 
@@ -150,8 +150,8 @@ def draw_chart(fig: Figure, ax, chart: Chart, plot: Plot, colours: dict[str, str
             ax.fill_between(line.x, lower, upper, color=colour, alpha=0.6, label=line.name, linewidth=0)
             base.update(zip(line.x, upper))
             continue
-        marker = "o" if "markers" in line.mode or len(line.x) == 1 else None
-        ax.plot(line.x, line.y, color=colour, marker=marker, label=line.name,
+        marker = "o" if "markers" in line.mode or len(line.x) <= MARKERS_UP_TO else None
+        ax.plot(line.x, line.y, color=colour, marker=marker, markersize=3 if not line.labels else 6, label=line.name,
                 linewidth=2.4 if line.name == OVERALL else 1.5)
         for x, y, text in zip(line.x, line.y, line.labels or []):
             ax.annotate(text, (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)

@@ -189,6 +189,6 @@ async function showDetail(row) {
 }
 
 for (const id of ["f-run", "f-domain", "f-effort", "f-min", "f-max"]) {
-  document.getElementById(id).addEventListener("input", () => refreshSamples(false));
+  for (const event of ["input", "change"]) document.getElementById(id).addEventListener(event, refreshSamples);
 }
 poll();
