@@ -168,7 +168,8 @@ class RunData:
     # -- what the views ask -----------------------------------------------------------------------
     @property
     def planned_steps(self) -> int | None:
-        steps = self.config.get("train", {}).get("steps") if isinstance(self.config.get("train"), dict) else None
+        train = self.config.get("train")
+        steps = train.get("steps") if isinstance(train, dict) else None
         return steps if isinstance(steps, int) else None
 
     def effort_levels(self, evaluated: bool = False) -> list[str]:

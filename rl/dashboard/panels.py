@@ -121,7 +121,7 @@ def runs_panel(runs: list[RunData]) -> Panel:
         envs = ", ".join(f"{e.get('name')} ({e.get('weight', 1)})" for e in cfg.get("envs", []) if isinstance(e, dict))
         done = run.grpo.last_step
         steps = f"{0 if done is None else done + 1} / {fmt(run.planned_steps)}"
-        warmup = len(run.warmup.rows) and -min(run.warmup.rows)
+        warmup = -min(run.warmup.rows) if run.warmup.rows else 0  # the first warm-up step is -steps
         held = _cell(run.eval_before, run.eval_after, "all", "all", "reward")
         written = max((p.stat().st_mtime for p in run.path.glob("*.json*")), default=None)
         rows.append([run.name, str(run.path), str(cfg.get("model", {}).get("preset", "-")), envs or "-", steps,

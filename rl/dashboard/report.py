@@ -10,8 +10,8 @@ import yaml
 from matplotlib.figure import Figure
 
 from rl.dashboard.model import RunData
-from rl.dashboard.panels import MARKERS_UP_TO, OVERALL, PARETO_WINDOW, Chart, Plot, Table, build_panels, effort_table, fmt, \
-    gate_table, heldout_table, series_colours
+from rl.dashboard.panels import (MARKERS_UP_TO, OVERALL, PARETO_WINDOW, Chart, Plot, Table, build_panels,
+                                 effort_table, fmt, gate_table, heldout_table, series_colours)
 from rl.dashboard.runfolder import is_run_folder
 
 COLUMNS = 2

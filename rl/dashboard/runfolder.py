@@ -44,24 +44,22 @@ class JsonlTail:
             f.seek(self.offset)
             data = f.read(stat.st_size - self.offset)
         end = data.rfind(b"\n") + 1
-        lines = data[:end].split(b"\n")
-        if skip_partial:  # started mid-file: the first line is a fragment
-            lines = lines[1:]
-        first_line = self.offset
+        position, lines = self.offset, data[:end].split(b"\n")[:-1]
         self.offset += end
         records, problems = [], []
-        for line in lines:
-            if not line.strip():
+        for i, line in enumerate(lines):
+            start, position = position, position + len(line) + 1
+            if (i == 0 and skip_partial) or not line.strip():  # started mid-file: the first line is a fragment
                 continue
             try:
                 record = json.loads(line)
             except ValueError:
-                problems.append(f"{self.path.name}: a line near byte {first_line} is not JSON; skipped")
+                problems.append(f"{self.path.name}: the line at byte {start} is not JSON; skipped")
                 continue
             if isinstance(record, dict):
                 records.append(record)
             else:
-                problems.append(f"{self.path.name}: a line holds {type(record).__name__}, not an object; skipped")
+                problems.append(f"{self.path.name}: the line at byte {start} is not a JSON object; skipped")
         return records, replaced, problems
 
 

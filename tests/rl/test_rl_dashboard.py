@@ -148,6 +148,8 @@ def test_dashboard_in_a_browser(browser, dashboard_url, tiny_run, second_run, tm
                       "[...document.querySelectorAll('.chart')].every(d => d.querySelector('.main-svg'))",
              what="every chart drawn")
     browser.execute_script("window.loadedOnce = 'yes'")  # a reload would drop this
+    fetched = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert fetched and all(url.startswith(dashboard_url) for url in fetched), fetched  # nothing from the network
     charts = browser.execute_script(f"return {CHARTS_JS}")
     panels = {c["panel"] for c in charts}
     assert panels >= {"rewards", "effort", "throughput", "mismatch", "learner", "moe", "env", "hacking"}

@@ -41,6 +41,14 @@ def test_a_half_written_line_waits_for_its_newline(tmp_path):
     assert tail.read()[0] == [{"step": 1, "a": 2}]
 
 
+def test_a_long_file_is_read_from_near_its_end(tmp_path):
+    path = tmp_path / "rollouts.jsonl"
+    write_lines(path, [{"step": s, "pad": "x" * 50} for s in range(100)])
+    records, _, problems = JsonlTail(path, start_from_end=1000).read()
+    assert [r["step"] for r in records] == list(range(100 - len(records), 100)) and 10 <= len(records) < 20
+    assert problems == []  # the fragment the read starts in is dropped, not reported
+
+
 def test_a_replaced_file_is_read_again_from_the_start(tmp_path):
     path = tmp_path / "metrics.jsonl"
     write_lines(path, [{"step": 0}, {"step": 1}, {"step": 2}])
