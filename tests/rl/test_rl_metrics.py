@@ -95,3 +95,14 @@ def test_tensorboard_is_off_unless_the_config_asks(tmp_path):
     logger.log(0, {"rollout/reward": 1.0})
     logger.close()
     assert not (tmp_path / "tensorboard").exists() and read_metrics(tmp_path) == [{"step": 0, "rollout/reward": 1.0}]
+
+
+def test_tensorboard_without_its_package_is_refused_at_config_time(monkeypatch):
+    import importlib.util
+
+    from rl.config import ConfigError, validate
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match="'logging.tensorboard'.*needs the tensorboard package"):
+        validate({"envs": [{"name": "math"}], "logging": {"tensorboard": True}})
