@@ -14,7 +14,7 @@ from rl.dashboard.panels import build_panels
 from rl.dashboard.plotly_render import figure
 from rl.dashboard.runfolder import JsonlTail
 from rl.dashboard.samples import QueryError, SampleQuery, find_samples
-from rl.dashboard.server import Dashboard, DashboardError
+from rl.dashboard.server import Dashboard, DashboardError, make_server
 
 
 def write_lines(path: Path, records: list[dict], mode: str = "a") -> None:
@@ -161,9 +161,42 @@ def test_dashboard_refuses_what_it_cannot_show(tmp_path):
     run = new_run(tmp_path)
     with pytest.raises(DashboardError, match="named twice"):
         Dashboard([run, run])
+    taken = make_server(Dashboard([run]), port=0)
+    try:
+        with pytest.raises(DashboardError, match=f"cannot listen on 127.0.0.1:{taken.server_address[1]}"):
+            make_server(Dashboard([run]), port=taken.server_address[1])
+    finally:
+        taken.server_close()
 
 
 def test_cli_refuses_a_folder_that_is_not_a_run(tmp_path):
     for command in (["dashboard", str(tmp_path)], ["report", str(tmp_path / "nope")]):
         result = CliRunner().invoke(app, command)
         assert result.exit_code == 2 and "is not a run folder" in " ".join(result.output.split())
+
+
+def test_the_server_answers_only_changes_and_names_a_bad_filter(tmp_path):
+    import threading
+    import urllib.error
+    import urllib.request
+
+    run = new_run(tmp_path)
+    write_lines(run / "metrics.jsonl", [{"step": 0, "rollout/reward": 0.5}])
+    server = make_server(Dashboard([run]), port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    get = lambda path: json.loads(urllib.request.urlopen(base + path, timeout=30).read())  # noqa: E731
+    try:
+        state = get("/api/state")
+        assert state["runs"] == ["run"] and any(p["id"] == "rewards" for p in state["panels"])
+        assert get(f"/api/state?since={state['version']}") == {"version": state["version"]}
+        write_lines(run / "metrics.jsonl", [{"step": 1, "rollout/reward": 0.75}])
+        assert get(f"/api/state?since={state['version']}")["version"] == state["version"] + 1
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(base + "/api/samples?min_reward=high", timeout=30)
+        assert error.value.code == 400 and json.loads(error.value.read()) == {
+            "error": "min_reward must be a number, got 'high'"}
+        assert b"Plotly" in urllib.request.urlopen(base + "/static/plotly.min.js", timeout=30).read(4096)
+    finally:
+        server.shutdown()
+        server.server_close()
