@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,8 @@ def wandb_history(run_dir: Path) -> list[dict]:
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         chunk += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
@@ -73,8 +76,11 @@ def test_jsonl_wandb_and_tensorboard_sinks_agree(tmp_path, monkeypatch):
     jsonl = {r.pop("step"): r for r in read_metrics(tmp_path)}
     assert jsonl == logged
 
+    deadline = time.monotonic() + 60  # wandb's service may still be writing its log after finish()
+    while len(rows := wandb_history(tmp_path)) < len(logged) and time.monotonic() < deadline:
+        time.sleep(0.5)
     wandb_rows = {}
-    for row in wandb_history(tmp_path):
+    for row in rows:
         step = row.pop("grpo_step") if "grpo_step" in row else row.pop("warmup_step")
         wandb_rows[step] = {k: v for k, v in row.items() if not k.startswith("_")}
     assert wandb_rows == logged
