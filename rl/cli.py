@@ -71,7 +71,7 @@ def evaluate(
 
 @app.command()
 def dashboard(
-    run_dirs: list[str] = typer.Argument(..., metavar="RUN_DIR...", help="run folders; several show side by side"),
+    run_dirs: list[str] = typer.Argument(..., metavar="RUN_DIR", help="run folders; several show side by side"),
     port: int = typer.Option(8050, "--port", help="port to serve on (0: any free port)"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to serve on (127.0.0.1: this machine only)"),
 ) -> None:
@@ -97,7 +97,7 @@ def dashboard(
 
 @app.command()
 def report(
-    run_dir: str = typer.Argument(..., help="a run folder"),
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="a run folder"),
     out: Optional[str] = typer.Option(None, "--out", help="where to write (default RUN_DIR/report)"),
 ) -> None:
     """PNG charts and a markdown summary (config, gate, before/after tables, curves) of a run."""
