@@ -35,7 +35,8 @@ def figure(chart: Chart) -> go.Figure:
                 showlegend=line.name not in in_legend, text=line.labels, textposition="top center",
                 stackgroup=f"stack{col}" if line.stack else None,
                 line={"color": colour[line.name], "width": 3 if line.name == OVERALL else 2},
-                marker={"color": colour[line.name], "size": 8 if line.labels else 5}, cliponaxis=not line.labels), row=1, col=col)
+                marker={"color": colour[line.name], "size": 8 if line.labels else 5},
+                cliponaxis=not line.labels), row=1, col=col)
             in_legend.add(line.name)
         if plot.heatmap is not None:
             fig.add_trace(go.Heatmap(z=plot.heatmap.z, x=plot.heatmap.x, y=plot.heatmap.y, coloraxis="coloraxis",
@@ -60,7 +61,8 @@ def figure(chart: Chart) -> go.Figure:
         fig.update_yaxes(visible=False)
     fig.update_layout(title={"text": chart.title, "font": {"size": 14}}, height=HEIGHT,
                       margin={"l": 55, "r": 20, "t": 70, "b": 78}, uirevision=chart.id,
-                      legend={"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom", "x": 0}, coloraxis={"colorscale": "Viridis"})
+                      legend={"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom", "x": 0},
+                      coloraxis={"colorscale": "Viridis"})
     return fig
 
 

@@ -59,7 +59,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
 def markdown_table(table: Table) -> list[str]:
     if not table.rows:
         return ["(no data)", ""]
-    cell = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    def cell(text: str) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
     out = ["| " + " | ".join(cell(c) for c in table.columns) + " |", "|" + "---|" * len(table.columns)]
     out += ["| " + " | ".join(cell(c) for c in row) + " |" for row in table.rows]
     return out + [""]
@@ -69,8 +70,10 @@ def _config_section(run: RunData) -> list[str]:
     cfg = run.config
     if not cfg:
         return ["## Configuration", "", "(no config.yaml)", ""]
-    get = lambda section, key: cfg.get(section, {}).get(key, "-") if isinstance(cfg.get(section), dict) else "-"  # noqa: E731
-    envs = ", ".join(f"{e.get('name')} (weight {e.get('weight', 1)})" for e in cfg.get("envs", []) if isinstance(e, dict))
+    def get(section: str, key: str):
+        return cfg[section].get(key, "-") if isinstance(cfg.get(section), dict) else "-"
+    envs = ", ".join(f"{e.get('name')} (weight {e.get('weight', 1)})"
+                     for e in cfg.get("envs", []) if isinstance(e, dict))
     budgets = get("effort", "budgets")
     rows = [["model", f"{get('model', 'preset')} (vocabulary {get('model', 'vocab_size')})"],
             ["environments", envs or "-"],
@@ -100,7 +103,8 @@ def _eval_section(run: RunData) -> list[str]:
     if run.eval_before is None and run.eval_after is None:
         return ["## Held-out evaluation", "", "(no eval_before.json / eval_after.json yet)", ""]
     return (["## Held-out evaluation", "", "Reward per domain and effort level, before -> after RL:", ""]
-            + markdown_table(heldout_table(run)) + ["Per effort level, all domains:", ""] + markdown_table(effort_table(run)))
+            + markdown_table(heldout_table(run))
+            + ["Per effort level, all domains:", ""] + markdown_table(effort_table(run)))
 
 
 def _summary_section(run: RunData) -> list[str]:
@@ -108,14 +112,16 @@ def _summary_section(run: RunData) -> list[str]:
     if not steps:
         return ["## Training", "", "(no GRPO steps in metrics.jsonl yet)", ""]
     k = max(1, min(PARETO_WINDOW, steps // 2))
-    wanted = SUMMARY_METRICS + [(f"reward, {d}", key) for d, key in run.grpo.matching("rollout/domain/*/reward").items()]
+    per_domain = run.grpo.matching("rollout/domain/*/reward")
+    wanted = SUMMARY_METRICS + [(f"reward, {domain}", key) for domain, key in per_domain.items()]
     rows = []
     for label, key in wanted:
         ys = run.grpo.series(key)[1]
         if ys:
             rows.append([label, fmt(sum(ys[:k]) / len(ys[:k])), fmt(sum(ys[-k:]) / len(ys[-k:]))])
     table = Table("summary", "", ["metric", f"first {k} steps", f"last {k} steps"], rows)
-    return ["## Training", "", f"{steps} GRPO steps (means over the first and the last {k}):", ""] + markdown_table(table)
+    intro = f"{steps} GRPO steps (means over the first and the last {k}):"
+    return ["## Training", "", intro, ""] + markdown_table(table)
 
 
 # -- PNG -------------------------------------------------------------------------------------------

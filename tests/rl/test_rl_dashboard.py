@@ -24,7 +24,7 @@ from tests_rl_config import TINY
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 BROWSER_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1400,1000"]
+                 "--disable-dev-shm-usage", "--window-size=1400,1000"]
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +96,8 @@ def browser():
 @pytest.fixture(scope="module")
 def dashboard_url(tiny_run, second_run):
     """`rl dashboard RUN_A RUN_B --port 0` as a user starts it; its URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "rl.cli", "dashboard", str(tiny_run), str(second_run), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    command = [sys.executable, "-m", "rl.cli", "dashboard", str(tiny_run), str(second_run), "--port", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "COLUMNS": "200"})
     try:
         line = proc.stdout.readline()
