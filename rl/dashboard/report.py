@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from matplotlib.figure import Figure
 
-from rl.dashboard.model import RunData
+from rl.dashboard.model import RunData, part_order
 from rl.dashboard.panels import (MARKERS_UP_TO, OVERALL, PARETO_WINDOW, Chart, Plot, Table, build_panels,
                                  effort_table, fmt, gate_table, heldout_table, series_colours)
 from rl.dashboard.runfolder import is_run_folder
@@ -77,7 +77,7 @@ def _config_section(run: RunData) -> list[str]:
     budgets = get("effort", "budgets")
     rows = [["model", f"{get('model', 'preset')} (vocabulary {get('model', 'vocab_size')})"],
             ["environments", envs or "-"],
-            ["effort budgets (tokens per turn)", ", ".join(f"{k} {v}" for k, v in budgets.items())
+            ["effort budgets (tokens per turn)", ", ".join(f"{k} {budgets[k]}" for k in sorted(budgets, key=part_order))
              if isinstance(budgets, dict) else "-"],
             ["GRPO steps", str(get("train", "steps"))],
             ["groups per step x group size", f"{get('rollout', 'groups_per_step')} x {get('rollout', 'group_size')}"],
