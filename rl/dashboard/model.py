@@ -172,6 +172,16 @@ class RunData:
         steps = train.get("steps") if isinstance(train, dict) else None
         return steps if isinstance(steps, int) else None
 
+    def last_write(self) -> float | None:
+        """When the trainer last wrote one of the files read here (seconds since the epoch)."""
+        times = []
+        for path in self.path.glob("*.json*"):
+            try:
+                times.append(path.stat().st_mtime)
+            except FileNotFoundError:  # replaced meanwhile
+                pass
+        return max(times, default=None)
+
     def effort_levels(self, evaluated: bool = False) -> list[str]:
         """Effort levels seen in the metrics or the held-out tables (only these when `evaluated`),
         lowest effort first."""

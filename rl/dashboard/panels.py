@@ -123,7 +123,7 @@ def runs_panel(runs: list[RunData]) -> Panel:
         steps = f"{0 if done is None else done + 1} / {fmt(run.planned_steps)}"
         warmup = -min(run.warmup.rows) if run.warmup.rows else 0  # the first warm-up step is -steps
         held = _cell(run.eval_before, run.eval_after, "all", "all", "reward")
-        written = max((p.stat().st_mtime for p in run.path.glob("*.json*")), default=None)
+        written = run.last_write()
         rows.append([run.name, str(run.path), str(cfg.get("model", {}).get("preset", "-")), envs or "-", steps,
                      str(warmup), fmt(run.grpo.window_mean("rollout/reward", PARETO_WINDOW)), held,
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written)) if written else "-",
