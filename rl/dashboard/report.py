@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from rl.dashboard.model import RunData, part_order
 from rl.dashboard.panels import (MARKERS_UP_TO, OVERALL, PARETO_WINDOW, Chart, Plot, Table, build_panels,
@@ -163,6 +164,8 @@ def draw_chart(fig: Figure, ax, chart: Chart, plot: Plot, colours: dict[str, str
             ax.annotate(text, (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     if chart.y_range is not None:
         ax.set_ylim(*chart.y_range)
+    if chart.x_label.endswith("step"):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     if plot.missing:
