@@ -1,8 +1,10 @@
-"""The `rl` command line: train, eval, version, and the env / sandbox / model sub-apps."""
+"""The `rl` command line: train, eval, dashboard, report, version, and the env / sandbox / model
+sub-apps."""
 from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -67,6 +69,47 @@ def evaluate(
         evaluate_checkpoint(config, checkpoint, list(overrides or []), console=console, output=output)
     except (ConfigError, RunRefused) as exc:
         _fail(str(exc))
+
+
+@app.command()
+def dashboard(
+    run_dirs: list[str] = typer.Argument(..., metavar="RUN_DIR", help="run folders; several show side by side"),
+    port: int = typer.Option(8050, "--port", help="port to serve on (0: any free port)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to serve on (127.0.0.1: this machine only)"),
+) -> None:
+    """A live web page of one or more runs, updating as they write; needs no network."""
+    from rl.dashboard.server import Dashboard, DashboardError, make_server
+
+    try:
+        board = Dashboard([Path(d) for d in run_dirs])
+        server = make_server(board, host, port)
+    except DashboardError as exc:
+        _fail(str(exc))
+    bound_host, bound_port = server.server_address[:2]
+    console.print(f"dashboard: http://{bound_host}:{bound_port}/  ({len(board.runs)} run(s); Ctrl-C stops it)",
+                  highlight=False, soft_wrap=True)
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+@app.command()
+def report(
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="a run folder"),
+    out: Optional[str] = typer.Option(None, "--out", help="where to write (default RUN_DIR/report)"),
+) -> None:
+    """PNG charts and a markdown summary (config, gate, before/after tables, curves) of a run."""
+    from rl.dashboard.report import ReportError, write_report
+
+    try:
+        path = write_report(Path(run_dir), Path(out) if out else None)
+    except ReportError as exc:
+        _fail(str(exc))
+    console.print(f"report: {path}", highlight=False, soft_wrap=True)
 
 
 @app.command()

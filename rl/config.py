@@ -4,6 +4,7 @@ Every section forbids unknown keys, so a typo fails at once with the key's dotte
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -182,7 +183,16 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     wandb_project: str = "kimi-rl"
+    tensorboard: bool = False  # also write scalars to RUN_DIR/tensorboard (needs the tensorboard package)
     progress: bool = True
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, value: bool) -> bool:
+        # checked here so a run does not fail minutes in, after the quality gate
+        if value and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("needs the tensorboard package: pip install 'kimi-rl[tensorboard]'")
+        return value
 
 
 class GateConfig(Section):

@@ -1,68 +1,44 @@
-"""Metrics: the same numbers to a JSONL file in the run folder and to Weights & Biases."""
+"""Metrics: the same numbers to every sink (metrics.jsonl in the run folder, Weights & Biases,
+TensorBoard when `logging.tensorboard` is on); the per-step rollout summaries."""
 from __future__ import annotations
 
 import json
-import uuid
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
+from rl.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink, wandb_mode
 from rl.types import Sample
 
 
-def wandb_mode(requested: str) -> str:
-    """`auto`: online when the user is logged in, else offline (never blocks on a prompt)."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if requested != "auto":
-        return requested
-    try:
-        import wandb
-
-        return "online" if wandb.api.api_key else "offline"
-    except Exception:
-        return "offline"
-
-
-GRPO_AXIS, WARMUP_AXIS = "grpo_step", "warmup_step"
-
-
 class MetricsLogger:
+    """Fans each `log(step, metrics)` out to the sinks. `mode` is the wandb mode (`disabled`: no
+    wandb); the TensorBoard sink follows `config["logging"]["tensorboard"]`, the resolved run
+    config the logger is handed anyway."""
+
     def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict[str, Any],
                  resume: bool) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.mode = wandb_mode(mode)
-        self._wandb = None
-        self._axes_defined: set[str] = set()
+        self.sinks: list[Sink] = [JsonlSink(self.path)]
         if self.mode != "disabled":
-            import wandb
+            self.sinks.append(WandbSink(run_dir, self.mode, project, name, config, resume))
+        if config.get("logging", {}).get("tensorboard", False):
+            self.sinks.append(TensorBoardSink(run_dir))
 
-            run_id_file = run_dir / "wandb_id"
-            run_id = run_id_file.read_text().strip() if run_id_file.exists() else uuid.uuid4().hex[:12]
-            run_id_file.write_text(run_id)
-            self._wandb = wandb.init(project=project, name=name, id=run_id, dir=str(run_dir), mode=self.mode,
-                                     config=config, resume="allow" if resume else None, reinit="finish_previous")
-            for axis in (GRPO_AXIS, WARMUP_AXIS):
-                self._wandb.define_metric(axis)
+    @property
+    def wandb_run(self):
+        """The wandb run, or None when wandb is disabled."""
+        return next((s.run for s in self.sinks if isinstance(s, WandbSink)), None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """step >= 0: a GRPO step; step < 0: a warm-up (SFT) step, counted up to -1."""
-        record = {"step": step, **metrics}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self._wandb is not None:
-            # wandb's own step must only grow, and warm-up steps are negative: each phase gets
-            # its own x-axis metric instead, and wandb's step just counts calls
-            axis = WARMUP_AXIS if step < 0 else GRPO_AXIS
-            for prefix in {k.split("/", 1)[0] for k in metrics} - self._axes_defined:
-                self._wandb.define_metric(f"{prefix}/*", step_metric=axis)
-                self._axes_defined.add(prefix)
-            self._wandb.log({**metrics, axis: step})
+        for sink in self.sinks:
+            sink.log(step, metrics)
 
     def close(self) -> None:
-        if self._wandb is not None:
-            self._wandb.finish()
+        for sink in self.sinks:
+            sink.close()
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,7 @@
+"""`rl dashboard` and `rl report`: views of run folders, read from the files the trainer writes.
+
+Layers: `runfolder` (incremental reading of the files) -> `model` (one run's data) -> `panels`
+(what each chart and table shows, library-neutral) -> `plotly_render` / `report` (drawn with
+plotly in the browser, with matplotlib to PNG) -> `server` (the live page). Nothing here is
+imported by the trainer.
+"""
