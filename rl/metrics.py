@@ -21,10 +21,18 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.mode = wandb_mode(mode)
         self.sinks: list[Sink] = [JsonlSink(self.path)]
+        fresh: list[Sink] = []  # sinks that start over on resume: they get the history first
         if self.mode != "disabled":
-            self.sinks.append(WandbSink(run_dir, self.mode, project, name, config, resume))
+            fresh.append(WandbSink(run_dir, self.mode, project, name, config, resume))
         if config.get("logging", {}).get("tensorboard", False):
-            self.sinks.append(TensorBoardSink(run_dir))
+            fresh.append(TensorBoardSink(run_dir, resume))
+        if resume:  # metrics.jsonl was rewound to the checkpoint: one unbroken run in every sink
+            for record in read_metrics(run_dir):
+                step = record.pop("step")
+                for sink in fresh:
+                    if sink.replays_history:
+                        sink.log(step, record)
+        self.sinks += fresh
 
     @property
     def wandb_run(self):

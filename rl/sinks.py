@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,7 +52,12 @@ class JsonlSink:
 
 
 class WandbSink:
-    """A wandb run in `run_dir/wandb`, resumed under the same id when the run folder is resumed."""
+    """A wandb run in `run_dir/wandb`, under one id for the whole run folder. Offline, a resumed run
+    starts its wandb run afresh (the earlier offline folders of this id are removed) and the
+    logger replays metrics.jsonl into it, so one folder holds the whole run, each step once.
+    Online, wandb resumes the run of that id."""
+
+    replays_history = True
 
     def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict[str, Any],
                  resume: bool) -> None:
@@ -60,8 +66,13 @@ class WandbSink:
         run_id_file = run_dir / "wandb_id"
         run_id = run_id_file.read_text().strip() if run_id_file.exists() else uuid.uuid4().hex[:12]
         run_id_file.write_text(run_id)
-        self.run = wandb.init(project=project, name=name, id=run_id, dir=str(run_dir), mode=mode,
-                              config=config, resume="allow" if resume else None, reinit="finish_previous")
+        self.replays_history = mode == "offline"
+        if resume and self.replays_history:
+            for old in (run_dir / "wandb").glob(f"offline-run-*-{run_id}"):
+                shutil.rmtree(old, ignore_errors=True)
+        self.run = wandb.init(project=project, name=name, id=run_id, dir=str(run_dir), mode=mode, config=config,
+                              resume="allow" if resume and not self.replays_history else None,
+                              reinit="finish_previous")
         self._axes_defined: set[str] = set()
         for axis in (GRPO_AXIS, WARMUP_AXIS):
             self.run.define_metric(axis)
@@ -83,12 +94,16 @@ class TensorBoardSink:
     """Scalars in `run_dir/tensorboard` (`tensorboard --logdir RUN_DIR/tensorboard`); the global
     step is the metrics.jsonl step, so warm-up scalars (`sft/*`) sit at negative steps."""
 
-    def __init__(self, run_dir: Path) -> None:
+    replays_history = True  # a resumed run rewrites its event files from metrics.jsonl
+
+    def __init__(self, run_dir: Path, resume: bool = False) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise RuntimeError("logging.tensorboard needs the tensorboard package: "
                                "pip install 'kimi-rl[tensorboard]'") from None
+        if resume:
+            shutil.rmtree(run_dir / TENSORBOARD_DIR, ignore_errors=True)
         self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -118,14 +118,12 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
 
     def _restore(self) -> tuple[int, dict[str, Any]] | None:
-        """Load the newest checkpoint of a resumed run: (first step to run, scheduler snapshot).
-        The step logs lose what was written after the checkpoint (those steps run again)."""
+        """Load the newest checkpoint of a resumed run: (first step to run, scheduler snapshot)."""
         found = latest_checkpoint(self.run_dir) if self.resume else None
         if not found:
             return None
         tag, step = found
         ray.get(self.actors.learner.load.remote(str(self.run_dir / CHECKPOINTS), tag))
-        rewind_step_logs(self.run_dir, step)
         snapshot = read_json(self.run_dir / CHECKPOINTS / tag / "scheduler.json") or {"next_index": 0, "pending": []}
         if step + 1 < self.cfg.train.steps:
             self.say(f"resumed from {tag}: continuing at step {step + 1}")
@@ -148,6 +146,8 @@ class Trainer:
             spec = model_spec(cfg, tok.vocab_size)
             self.actors = start_policy_side(cfg, self.run_id, spec, str(self.run_dir / "tokenizer"), tok.pad_id,
                                             self._env_workers)
+            if resuming:  # the steps after the checkpoint run again: their log lines go first
+                rewind_step_logs(self.run_dir, latest_checkpoint(self.run_dir)[1])
             logger = MetricsLogger(self.run_dir, cfg.logging.wandb_mode, cfg.logging.wandb_project, self.run_id,
                                    cfg.model_dump(mode="json"), resume=self.resume)
             restored = self._restore()

@@ -112,3 +112,34 @@ def test_tensorboard_without_its_package_is_refused_at_config_time(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ConfigError, match="'logging.tensorboard'.*needs the tensorboard package"):
         validate({"envs": [{"name": "math"}], "logging": {"tensorboard": True}})
+
+
+def test_a_resumed_run_is_one_unbroken_run_in_every_sink(tmp_path, monkeypatch):
+    """Resuming after step 1 (steps 2-3 were logged, then lost with the interruption): wandb keeps
+    one offline folder and TensorBoard one history, each step once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rl.run_folder import rewind_step_logs
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = {"logging": {"tensorboard": True}}
+    first = MetricsLogger(tmp_path, "offline", "pytest", "resume", config, resume=False)
+    for step in range(4):
+        first.log(step, {"rollout/reward": float(step)})
+    first.close()
+    rewind_step_logs(tmp_path, last_step=1)
+    second = MetricsLogger(tmp_path, "offline", "pytest", "resume", config, resume=True)
+    for step in range(2, 5):
+        second.log(step, {"rollout/reward": 10.0 + step})
+    second.close()
+
+    expected = {0: 0.0, 1: 1.0, 2: 12.0, 3: 13.0, 4: 14.0}
+    assert {r["step"]: r["rollout/reward"] for r in read_metrics(tmp_path)} == expected
+    assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 1
+    deadline = time.monotonic() + 60
+    while len(rows := wandb_history(tmp_path)) < len(expected) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [(r["grpo_step"], r["rollout/reward"]) for r in rows] == sorted(expected.items())
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rollout/reward")] == sorted(expected.items())
