@@ -170,20 +170,23 @@ def test_corrections_need_the_learner_proximal_policy_in_the_config():
 
 
 def test_padding_never_counts_in_the_moe_balancing_statistics():
-    """Padding rows and the never-fed last token route with -1 (route as usual) and stay out of the load."""
+    """The learner's step on a right-padded batch: the expert load counts the real tokens only (the
+    padding and the never-fed last token used to enter it as experts 0..k-1, and every step pushed
+    those experts' bias down)."""
     from policy import build_model
 
     torch.manual_seed(0)
     model = build_model("toy", vocab_size=320).train()
     samples = _samples(320, 4)
     shape = (len(model.moe_layer_ids), model.config.num_experts_per_token)
-    for s in samples:
-        s.routing = np.full((len(s.tokens), *shape), -1, dtype=np.int16)
-    batch = collate(samples, np.ones(4), pad_id=0)
-    assert batch.routing is not None and int(batch.routing.min()) == -1
-    real = int(batch.token_mask.sum())
-    assert real == sum(len(s.tokens) for s in samples) < batch.token_mask.numel()
-    model(batch.input_ids, routing=batch.routing, return_token_logprobs=True, token_mask=batch.token_mask)
+    for s in samples:  # recorded experts for every token but the last (never fed while sampling)
+        s.routing = np.stack([np.arange(shape[1]) + i % 3 for i in range(len(s.tokens))] * shape[0], 1)
+        s.routing = s.routing.reshape(len(s.tokens), *shape).astype(np.int16)
+        s.routing[-1] = -1
+    batch = collate(samples, np.array([1.0, -1.0, 1.0, -1.0]), pad_id=0)
+    accumulate_policy_gradient(model, batch, LossConfig(), micro_batches=2)
+    real = sum(len(s.tokens) for s in samples)
+    assert real < batch.input_ids.numel()  # there was padding
     for layer in model.model.layers:
         if layer.is_moe:
             assert layer.block_sparse_moe.load.sum().item() == real * model.config.num_experts_per_token

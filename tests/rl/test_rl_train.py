@@ -76,7 +76,9 @@ def test_short_run_then_resume(tmp_path, ray_session):
     assert versions == sorted(versions) and len(set(versions)) == 5
     # The last checkpoint evaluates through `rl eval`.
     out = run_cli("eval", str(write_config(tmp_path)), "--checkpoint", str(run_dir / "checkpoints" / "step_4"))
-    assert "math" in out and "tool_use" in out
+    assert "math" in out and "tool_use" in out and "before RL" not in out and "+-" in out
+    summary = json.loads((run_dir / "checkpoints" / "step_4" / "hf" / "eval.json").read_text())
+    assert 0 <= summary["all"]["all"]["reward"] <= 1 and summary["all"]["all"]["stderr"] >= 0
 
 
 def test_killed_rollout_worker_reissues_its_groups(tmp_path, ray_session):
