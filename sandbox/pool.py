@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping, AsyncIterator
 
 from ._slots import NodeSlots
 from .base import Sandbox, SandboxError, SandboxLimits, Snapshot, run_blocking
+from .factory import open_sandbox, resolve_backend
 from .process_backend import STATE_ROOT
 
 
@@ -50,8 +51,6 @@ class SandboxPool:
             ttl = floor + ttl_margin
         if ttl <= floor:
             raise ValueError(f"sandbox ttl {ttl}s must exceed episode deadline + grading time ({floor}s)")
-        from . import resolve_backend
-
         self.backend = resolve_backend(backend, image)
         self.image = image
         self.ttl = float(ttl)
@@ -97,8 +96,6 @@ class SandboxPool:
         return -1 if self._slots is None else self._slots.try_take()
 
     def _new(self, slot: int) -> Sandbox:
-        from . import open_sandbox
-
         try:
             sb = open_sandbox(self.backend, self.image, self.limits, self.labels, self.env)
         except BaseException:
