@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 from . import _cgroup
 from ._client import AGENT_SOURCE, WORKDIR, AgentConnection, AgentSandbox
 from .base import ExecResult, SandboxError, SandboxLimits
-from .process_backend import STATE_ROOT, _start_time, owner_alive
+from .owner import STATE_ROOT, owner_alive, start_time
 
 DEFAULT_IMAGE = os.environ.get("RL_SANDBOX_IMAGE", "rl-sandbox-base:latest")
 LABEL = "rl.sandbox"
@@ -136,7 +136,7 @@ class DockerSandbox(AgentSandbox):
     def docker_labels(self) -> dict[str, str]:
         labels = {f"rl.{k}": v for k, v in self.labels.items()}
         labels.update({LABEL: "1", "rl.id": self.id, "rl.owner_pid": str(os.getpid()),
-                       "rl.owner_start": str(_start_time(os.getpid()) or ""), "rl.owner_host": HOST,
+                       "rl.owner_start": str(start_time(os.getpid()) or ""), "rl.owner_host": HOST,
                        "rl.created": f"{self.created:.0f}"})
         return labels
 
@@ -148,7 +148,7 @@ class DockerSandbox(AgentSandbox):
         # so the sandbox cannot write to the host's disk through it.
         self._state.mkdir(parents=True, mode=0o755)
         (self._state / "owner.json").write_text(json.dumps({"owner_pid": os.getpid(),
-                                                             "owner_start": _start_time(os.getpid())}))
+                                                             "owner_start": start_time(os.getpid())}))
         (self._state / "agent.py").write_text(AGENT_SOURCE)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -322,5 +322,5 @@ def raw_docker_run_kwargs(limits: SandboxLimits) -> dict[str, Any]:
                 tmpfs={WORKDIR: f"size={limits.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
                        "/tmp": f"size={limits.tmp_mb}m,mode=1777,exec"},
                 labels={LABEL: "1", "rl.id": "raw-bench", "rl.owner_pid": str(os.getpid()),
-                        "rl.owner_start": str(_start_time(os.getpid()) or ""), "rl.owner_host": HOST})
+                        "rl.owner_start": str(start_time(os.getpid()) or ""), "rl.owner_host": HOST})
 

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping, AsyncIterator
 from ._slots import NodeSlots
 from .base import Sandbox, SandboxError, SandboxLimits, Snapshot, run_blocking
 from .factory import open_sandbox, resolve_backend
-from .process_backend import STATE_ROOT
+from .owner import STATE_ROOT
 
 
 class PoolExhausted(SandboxError):

@@ -63,7 +63,7 @@ def test_killed_owner_leaves_no_container_or_process(backend: str):
 
         assert _wait(gone, 15), "container outlived its owner"
         from sandbox.docker_backend import gc_docker_sandboxes
-        from sandbox.process_backend import STATE_ROOT
+        from sandbox.owner import STATE_ROOT
 
         gc_docker_sandboxes()  # the host-side socket dir goes too
         assert not (STATE_ROOT / "docker" / sb_id).exists()
