@@ -144,15 +144,12 @@ def test_open_sandbox_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("jail", ["bwrap", "unshare"])
-def test_process_backend_runs_on_the_base_rootfs(jail: str, monkeypatch: pytest.MonkeyPatch):
+def test_process_backend_runs_on_the_base_rootfs(jail: str, base_rootfs_dir: Path, monkeypatch: pytest.MonkeyPatch):
     """The debootstrap rootfs kept by build-image is also a process-backend image, with
     bubblewrap and on the unshare fallback alike."""
-    from sandbox.images import base_rootfs
     from sandbox_testutil import use_unshare_fallback
 
-    root = base_rootfs()
-    if root is None:
-        pytest.skip("no base rootfs kept on this node (run `rl sandbox build-image --force` to keep one)")
+    root = base_rootfs_dir
     if jail == "unshare":
         use_unshare_fallback(monkeypatch)
     # a file the host's /usr has and the minimal rootfs lacks tells the two apart
