@@ -238,22 +238,30 @@ class DockerSandbox(AgentSandbox):
         shutil.rmtree(self._state, ignore_errors=True)
 
 
+def sandbox_containers(label: str = f"{LABEL}=1") -> list[dict[str, Any]]:
+    """The daemon's summary of every container (running or not) with `label`, in one call.
+
+    Never the SDK's containers.list(): it lists, then inspects each container, and a container
+    removed in between (auto-remove after its owner closed it) raises NotFound from the listing."""
+    return list(docker_client().api.containers(all=True, filters={"label": label}))
+
+
 def list_docker_sandboxes() -> list[dict[str, Any]]:
     out = []
-    for c in docker_client().containers.list(all=True, filters={"label": f"{LABEL}=1"}):
-        lab = c.labels
+    for c in sandbox_containers():
+        lab = c.get("Labels") or {}
         pid = int(lab.get("rl.owner_pid") or 0)
         start = int(lab["rl.owner_start"]) if lab.get("rl.owner_start") else None
         local = lab.get("rl.owner_host") == HOST
-        out.append({"id": lab.get("rl.id", c.short_id), "backend": "docker", "container": c.name, "status": c.status,
-                    "image": (c.image.tags or [c.image.short_id])[0] if c.image else "?",
+        names = c.get("Names") or ["/" + c["Id"][:12]]
+        out.append({"id": lab.get("rl.id", c["Id"][:12]), "backend": "docker", "container": names[0].lstrip("/"),
+                    "status": c.get("State", "?"), "image": c.get("Image", "?"),
                     "owner_pid": pid, "owner_host": lab.get("rl.owner_host"),
                     # owners on other hosts cannot be checked from here: treat as alive
                     "owner_alive": owner_alive(pid, start) if local else True,
                     "created": float(lab.get("rl.created") or 0) or None,
                     "labels": {k[3:]: v for k, v in lab.items() if k.startswith("rl.") and k[3:] not in
-                               ("sandbox", "id", "owner_pid", "owner_start", "owner_host", "created")},
-                    "_container": c})
+                               ("sandbox", "id", "owner_pid", "owner_start", "owner_host", "created")}})
     return out
 
 
@@ -271,9 +279,9 @@ def gc_docker_sandboxes(all_: bool = False, run: str | None = None) -> list[str]
         if not stale:
             continue
         try:
-            s["_container"].remove(force=True)
+            docker_client().api.remove_container(s["container"], force=True)
         except docker.errors.APIError:
-            pass
+            pass  # already gone (auto-removed) or being removed
         shutil.rmtree(STATE_ROOT / "docker" / s["id"], ignore_errors=True)
         removed.append(s["id"])
     sweep_state_dirs()
