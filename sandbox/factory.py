@@ -1,4 +1,4 @@
-"""Choosing a backend and opening one sandbox: what `open_sandbox` and the pool share."""
+"""Choosing a backend and opening one sandbox: what `open_sandbox` and the pools share."""
 from __future__ import annotations
 
 import os
@@ -6,6 +6,7 @@ from typing import Mapping
 
 from .base import Sandbox, SandboxLimits, run_blocking
 from .docker_backend import docker_available
+from .spec import SandboxSpec
 
 BACKENDS = ("auto", "docker", "process")
 
@@ -29,13 +30,32 @@ def resolve_backend(backend: str = "auto", image: str | None = None) -> str:
     return "process"
 
 
+def prepare(spec: SandboxSpec, backend: str = "auto") -> tuple[str, str | None, SandboxLimits]:
+    """The backend, image and limits of a sandbox of `spec`; a Dockerfile image the spec names is
+    built (offline) when absent and Docker may be used."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown sandbox backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    docker_image = spec.image
+    if spec.dockerfile is not None and (backend == "docker" or (backend == "auto" and docker_available())):
+        from .images import ensure_spec_image
+
+        docker_image = ensure_spec_image(spec)
+    kind = resolve_backend(backend, docker_image)
+    return kind, docker_image if kind == "docker" else spec.rootfs, spec.limits()
+
+
 def open_sandbox(backend: str = "auto", image: str | None = None, limits: SandboxLimits | None = None,
-                 labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None) -> Sandbox:
+                 labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+                 spec: SandboxSpec | None = None) -> Sandbox:
     """Start a fresh sandbox for one episode. Close it (or use `with`) when the episode ends.
 
     image: docker image name (default: the base image) for docker; a rootfs directory
-    (default: the host's /usr, read-only) for process.
+    (default: the host's /usr, read-only) for process. spec: the image and limits an
+    environment declared (`image` and `limits`, when given, take precedence).
     """
+    if spec is not None:
+        backend, spec_image, spec_limits = prepare(spec, backend)
+        image, limits = image or spec_image, limits or spec_limits
     kind = resolve_backend(backend, image)
     limits = limits or SandboxLimits()
     if kind == "docker":
@@ -48,5 +68,6 @@ def open_sandbox(backend: str = "auto", image: str | None = None, limits: Sandbo
 
 
 async def aopen_sandbox(backend: str = "auto", image: str | None = None, limits: SandboxLimits | None = None,
-                        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None) -> Sandbox:
-    return await run_blocking(open_sandbox, backend, image, limits, labels, env)
+                        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+                        spec: SandboxSpec | None = None) -> Sandbox:
+    return await run_blocking(open_sandbox, backend, image, limits, labels, env, spec)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 from .base import SandboxError
 from .docker_backend import DEFAULT_IMAGE
+from .spec import SandboxSpec
 
 BASE_IMAGE = DEFAULT_IMAGE  # RL_SANDBOX_IMAGE overrides it (tests use a throwaway tag that way)
 SUITE = "bookworm"
@@ -139,7 +140,8 @@ def build_env_image(tag: str, dockerfile: str | None = None, context: str | os.P
     """Build an environment image from a Dockerfile (text, or `context`/Dockerfile) FROM the base.
 
     network=False builds with no network at all: everything must come from the base
-    image or the build context (what "offline" means here).
+    image or the build context (what "offline" means here). The build argument BASE names
+    the base image, so a Dockerfile can say `ARG BASE` then `FROM ${BASE}`.
     """
     from .docker_backend import docker_client
     import docker.errors
@@ -147,7 +149,7 @@ def build_env_image(tag: str, dockerfile: str | None = None, context: str | os.P
     if dockerfile is None and context is None:
         raise ValueError("give a Dockerfile text or a build context directory")
     kwargs: dict[str, Any] = {"tag": tag, "rm": True, "forcerm": True, "pull": False,
-                              "network_mode": "default" if network else "none"}
+                              "network_mode": "default" if network else "none", "buildargs": {"BASE": BASE_IMAGE}}
     try:
         if context is not None:
             ctx = Path(context)
@@ -177,6 +179,27 @@ def build_env_image(tag: str, dockerfile: str | None = None, context: str | os.P
     for entry in logs:
         if isinstance(entry, dict) and entry.get("stream", "").strip():
             log(entry["stream"].rstrip())
+    return tag
+
+
+def ensure_spec_image(spec: SandboxSpec, log: Log = print) -> str | None:
+    """The Docker image a spec's sandboxes run, its Dockerfile built offline first when the image is
+    absent (None: the base image)."""
+    from .docker_backend import image_exists
+
+    if spec.dockerfile is None:
+        return spec.image
+    dockerfile = Path(spec.dockerfile)
+    if not dockerfile.is_file():
+        raise SandboxError(f"sandbox spec: no such Dockerfile: {dockerfile}")
+    tag = spec.docker_tag()
+    assert tag is not None
+    if image_exists(tag):
+        return tag
+    build_base_image(BASE_IMAGE, log=log)
+    with build_lock():
+        if not image_exists(tag):
+            build_env_image(tag, context=dockerfile.parent, dockerfile_name=dockerfile.name, log=log)
     return tag
 
 

@@ -39,10 +39,10 @@ class EnvWorker:
 
     def _sandboxes(self):
         if self._sandbox_pool is None:
-            from sandbox import SandboxPool
+            from sandbox import SandboxPools
 
-            self._sandbox_pool = SandboxPool(backend=self.sandbox_backend, warm=self.warm_sandboxes,
-                                             max_live=max(64, 4 * self.warm_sandboxes), labels={"run": self.run_name})
+            self._sandbox_pool = SandboxPools(backend=self.sandbox_backend, warm=self.warm_sandboxes,
+                                              max_live=max(64, 4 * self.warm_sandboxes), labels={"run": self.run_name})
         return self._sandbox_pool
 
     def _open(self, env_name: str, episode_id: str):
@@ -50,7 +50,7 @@ class EnvWorker:
         env = idle.pop() if idle else self._envs.make(env_name, **self.env_specs[env_name])
         sandbox = None
         if env.needs_sandbox:
-            sandbox = self._sandboxes().acquire(labels={"episode": episode_id})
+            sandbox = self._sandboxes().acquire(env.sandbox_spec, labels={"episode": episode_id})
             self.sandboxes[episode_id] = sandbox
         self.episodes[episode_id] = (env_name, env)
         return env, sandbox
