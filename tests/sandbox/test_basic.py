@@ -15,10 +15,13 @@ def test_state_persists_within_episode_and_is_gone_in_the_next(make_sb):
     assert sb.exec("echo 41 > counter").ok
     r = sb.exec("n=$(cat counter); echo $((n+1)) > counter; cat counter")
     assert r.exit_code == 0 and r.stdout.strip() == "42"
-    # a background server started in one turn answers in a later turn
-    assert sb.exec("(while true; do date +%s > tick; sleep 0.05; done) >/dev/null 2>&1 &").ok
-    r = sb.exec("sleep 0.3; test -s tick && echo running")
-    assert r.stdout.strip() == "running"
+    # a background process started in one turn keeps running in later turns. Each tick is renamed
+    # into place: `date > tick` truncates the file first, and a reader could see it empty
+    assert sb.exec("(while true; do date +%s%N > tick.new && mv tick.new tick; sleep 0.05; done) "
+                   ">/dev/null 2>&1 &").ok
+    first = sb.exec("for i in $(seq 200); do test -e tick && break; sleep 0.05; done; cat tick").stdout.strip()
+    r = sb.exec(f'for i in $(seq 200); do [ "$(cat tick)" != "{first}" ] && echo running && break; sleep 0.05; done')
+    assert first and r.stdout.strip() == "running", (first, r)
     # env, cwd, stdin, argv with spaces
     assert sb.exec("mkdir -p sub").ok
     r = sb.exec(["python3", "-c", "import os,sys; print(os.environ['X'], os.getcwd(), sys.stdin.read())"],
