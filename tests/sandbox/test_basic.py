@@ -109,21 +109,21 @@ def test_fork_gives_independent_copies(make_sb):
 def test_async_twins_run_concurrently(make_sb):
     sbs = [make_sb(f"a{i}") for i in range(3)]
 
-    async def episode(sb: sandbox.Sandbox, i: int) -> str:
+    async def episode(sb: sandbox.Sandbox, i: int) -> list[float]:
         await sb.awrite_file("x", str(i))
-        r = await sb.aexec("sleep 0.5; cat x")
+        r = await sb.aexec("date +%s.%N; sleep 1; echo $(cat x); date +%s.%N")
         data = await sb.aread_file("x")
         assert data == str(i).encode()
-        return r.stdout
+        start, got, end = r.stdout.split()
+        assert got == str(i)
+        return [float(start), float(end)]
 
-    async def main() -> list[str]:
+    async def main() -> list[list[float]]:
         return await asyncio.gather(*(episode(sb, i) for i, sb in enumerate(sbs)))
 
-    import time
-
-    t0 = time.monotonic()
-    assert asyncio.run(main()) == ["0", "1", "2"]
-    assert time.monotonic() - t0 < 1.4  # three 0.5 s commands overlapped
+    spans = asyncio.run(main())
+    # they overlapped: every command had started before any had finished (sandboxes share the host clock)
+    assert max(start for start, _ in spans) < min(end for _, end in spans), spans
 
 
 def test_ttl_expiry_destroys_the_sandbox(make_sb):
