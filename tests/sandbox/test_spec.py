@@ -54,8 +54,8 @@ def test_pools_honour_limits_network_and_image_of_each_spec(backend_name: str, t
     rootfs = None if backend_name == "docker" else request.getfixturevalue("base_rootfs_dir")
     image_spec, probe, only_there = _image_probe(backend_name, tmp_path, rootfs)
     small = SandboxSpec(memory_mb=128, pids=48, network=True, exec_timeout=1.0)
-    with SandboxPools(backend_name, warm=1, max_live=4, health_interval=0.2, labels={"run": RUN}) as pools:
-        try:
+    try:
+        with SandboxPools(backend_name, warm=1, max_live=4, health_interval=0.2, labels={"run": RUN}) as pools:
             default, tight, custom = (pools.acquire(s, timeout=120) for s in (SandboxSpec(), small, image_spec))
             assert tight.limits.memory_mb == 128 and tight.limits.pids == 48 and tight.limits.network
             assert tight.backend == default.backend == custom.backend == backend_name
@@ -76,11 +76,11 @@ def test_pools_honour_limits_network_and_image_of_each_spec(backend_name: str, t
             assert len(pools.status()["pools"]) == 3
             for sb in (default, tight, custom):
                 sb.close()
-        finally:
-            if backend_name == "docker":
-                from sandbox.docker_backend import docker_client
+    finally:
+        if backend_name == "docker":  # once the pools closed: no container uses it (else this refuses)
+            from sandbox.docker_backend import docker_client
 
-                docker_client().images.remove(image_spec.docker_tag(), force=True)
+            docker_client().images.remove(image_spec.docker_tag())
 
 
 def test_equal_specs_share_a_pool_and_the_cap_is_shared_by_all_pools():
