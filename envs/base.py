@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import datasets
 
@@ -18,6 +18,7 @@ from envs.data import SPLITS, normalise_splits
 from envs.grades import Grade, Grader, GradeRequest
 from envs.toolcall import ParsedTurn, check_arguments, parse_turn
 from policy.effort import EFFORT_LEVELS as EFFORTS
+from sandbox import SandboxSpec, open_sandbox
 
 
 @dataclass
@@ -62,17 +63,21 @@ def bash_tool(env: "Environment", timeout_s: float = 10.0, max_chars: int = 2000
 class Environment:
     """Base class. Subclasses set `name` and `domain` and implement `make_grader`, `build_tasks`,
     `prompt`, `reference_actions_for` and `grade_payload`; tool users add `make_tools`, sandboxed
-    ones set `needs_sandbox = True` and implement `setup` (and `leak_probes`)."""
+    ones set `needs_sandbox = True` and implement `setup` (and `leak_probes`), and may declare the
+    sandbox they need in `sandbox_spec` (image, limits, network, time limits)."""
 
     name: ClassVar[str] = ""
     domain: ClassVar[str] = ""
     system_prompt: str = "You are a helpful assistant."
     max_turns: int = 1
     needs_sandbox: bool = False
+    sandbox_spec: SandboxSpec = SandboxSpec()  # the constructor's `sandbox` (a run config's) overrides fields
     heldout_fraction: float = 0.2  # used only when build_tasks returns one unsplit set
 
-    def __init__(self, sandbox_backend: str = "auto", max_turns: int | None = None) -> None:
+    def __init__(self, sandbox_backend: str = "auto", max_turns: int | None = None,
+                 sandbox: SandboxSpec | Mapping[str, Any] | None = None) -> None:
         self.sandbox_backend = sandbox_backend
+        self.sandbox_spec = self.sandbox_spec.merged(sandbox)
         if max_turns is not None:
             self.max_turns = int(max_turns)
         if self.max_turns < 1:
@@ -285,11 +290,10 @@ class Environment:
 
     def _open_own_sandbox(self, task: dict[str, Any], attempts: int = 3) -> None:
         """Open and set up a sandbox for this episode; a sandbox that fails to start is retried."""
-        from sandbox import open_sandbox  # imported lazily: envs without sandboxes need no backend
-
         for attempt in range(attempts):
             try:
-                self._sandbox = open_sandbox(backend=self.sandbox_backend, labels={"env": self.name, "task": task["task_id"]})
+                self._sandbox = open_sandbox(backend=self.sandbox_backend, spec=self.sandbox_spec,
+                                             labels={"env": self.name, "task": task["task_id"]})
                 self._owns_sandbox = True
                 self.setup(task, self._sandbox)
                 return

@@ -80,9 +80,11 @@ def loss_config(cfg: RunConfig) -> LossConfig:
 
 def env_kwargs(cfg: RunConfig, name: str) -> dict[str, Any]:
     """An environment's constructor kwargs; environments that open their own sandboxes (to grade,
-    for instance) use the run's sandbox backend unless the config says otherwise."""
+    for instance) use the run's sandbox backend unless the config says otherwise. The entry's
+    `sandbox` overrides fields of the sandbox the environment declares."""
     entry = next(e for e in cfg.envs if e.name == name)
-    return {"sandbox_backend": cfg.sandbox_backend, **entry.kwargs}
+    sandbox = {} if entry.sandbox is None else {"sandbox": entry.sandbox}
+    return {"sandbox_backend": cfg.sandbox_backend, **sandbox, **entry.kwargs}
 
 
 def env_worker_name(run_id: str, index: int) -> str:

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from policy.effort import EFFORT_LEVELS
+from sandbox import SandboxSpec
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,14 @@ class EnvEntry(Section):
     name: str
     weight: float = Field(default=1.0, gt=0)
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    sandbox: dict[str, Any] | None = None  # overrides fields of the environment's SandboxSpec
+
+    @field_validator("sandbox")
+    @classmethod
+    def _sandbox_spec(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            SandboxSpec.from_dict(value)  # a bad key or value fails here, naming it
+        return value
 
 
 class EffortConfig(Section):

@@ -3,62 +3,19 @@
     from sandbox import open_sandbox, SandboxLimits
     with open_sandbox(backend="auto", labels={"run": "r1", "episode": "e7"}) as sb:
         r = sb.exec("echo hi > f && cat f")
+
+An environment declares the sandbox it needs as a `SandboxSpec` (image or Dockerfile, limits,
+network, time limits); `SandboxPools` keeps one warm pool per spec under one cap.
 """
 from __future__ import annotations
 
-import os
-from typing import Mapping
-
 from .base import ExecResult, Sandbox, SandboxDead, SandboxError, SandboxLimits, Snapshot
 from .docker_backend import docker_available
+from .factory import BACKENDS, aopen_sandbox, open_sandbox, resolve_backend
 from .pool import PoolExhausted, SandboxPool
-
-BACKENDS = ("auto", "docker", "process")
-
-
-def resolve_backend(backend: str = "auto", image: str | None = None) -> str:
-    """'auto': docker when a daemon answers and has the image, else the embedded process backend."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown sandbox backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend != "auto":
-        return backend
-    if image is not None and os.path.isdir(image):
-        return "process"  # a rootfs directory is a process-backend image
-    if docker_available():
-        from .docker_backend import DEFAULT_IMAGE, image_exists
-
-        try:
-            if image_exists(image or DEFAULT_IMAGE):
-                return "docker"
-        except Exception:
-            pass
-    return "process"
-
-
-def open_sandbox(backend: str = "auto", image: str | None = None, limits: SandboxLimits | None = None,
-                 labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None) -> Sandbox:
-    """Start a fresh sandbox for one episode. Close it (or use `with`) when the episode ends.
-
-    image: docker image name (default: the base image) for docker; a rootfs directory
-    (default: the host's /usr, read-only) for process.
-    """
-    kind = resolve_backend(backend, image)
-    limits = limits or SandboxLimits()
-    if kind == "docker":
-        from .docker_backend import DockerSandbox
-
-        return DockerSandbox(image, limits, labels, env)
-    from .process_backend import ProcessSandbox
-
-    return ProcessSandbox(image, limits, labels, env)
-
-
-async def aopen_sandbox(backend: str = "auto", image: str | None = None, limits: SandboxLimits | None = None,
-                        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None) -> Sandbox:
-    from .base import run_blocking
-
-    return await run_blocking(open_sandbox, backend, image, limits, labels, env)
-
+from .pools import SandboxPools
+from .spec import SandboxSpec
 
 __all__ = ["open_sandbox", "aopen_sandbox", "resolve_backend", "docker_available", "Sandbox", "SandboxLimits",
-           "SandboxPool", "PoolExhausted", "ExecResult", "Snapshot", "SandboxError", "SandboxDead"]
+           "SandboxSpec", "SandboxPool", "SandboxPools", "PoolExhausted", "ExecResult", "Snapshot", "SandboxError",
+           "SandboxDead"]

@@ -53,9 +53,7 @@ def _all_sandboxes() -> list[dict]:
         r.setdefault("backend", "process")
         r["status"] = "running" if r.get("owner_alive") else "orphaned"
     if docker_available():
-        for r in list_docker_sandboxes():
-            r.pop("_container", None)
-            rows.append(r)
+        rows += list_docker_sandboxes()
     return rows
 
 

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 from . import _cgroup
 from ._client import AGENT_SOURCE, WORKDIR, AgentConnection, AgentSandbox
 from .base import ExecResult, SandboxError, SandboxLimits
-from .process_backend import STATE_ROOT, _start_time, owner_alive
+from .owner import STATE_ROOT, owner_alive, start_time
 
 DEFAULT_IMAGE = os.environ.get("RL_SANDBOX_IMAGE", "rl-sandbox-base:latest")
 LABEL = "rl.sandbox"
@@ -136,7 +136,7 @@ class DockerSandbox(AgentSandbox):
     def docker_labels(self) -> dict[str, str]:
         labels = {f"rl.{k}": v for k, v in self.labels.items()}
         labels.update({LABEL: "1", "rl.id": self.id, "rl.owner_pid": str(os.getpid()),
-                       "rl.owner_start": str(_start_time(os.getpid()) or ""), "rl.owner_host": HOST,
+                       "rl.owner_start": str(start_time(os.getpid()) or ""), "rl.owner_host": HOST,
                        "rl.created": f"{self.created:.0f}"})
         return labels
 
@@ -148,7 +148,7 @@ class DockerSandbox(AgentSandbox):
         # so the sandbox cannot write to the host's disk through it.
         self._state.mkdir(parents=True, mode=0o755)
         (self._state / "owner.json").write_text(json.dumps({"owner_pid": os.getpid(),
-                                                             "owner_start": _start_time(os.getpid())}))
+                                                             "owner_start": start_time(os.getpid())}))
         (self._state / "agent.py").write_text(AGENT_SOURCE)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -238,22 +238,30 @@ class DockerSandbox(AgentSandbox):
         shutil.rmtree(self._state, ignore_errors=True)
 
 
+def sandbox_containers(label: str = f"{LABEL}=1") -> list[dict[str, Any]]:
+    """The daemon's summary of every container (running or not) with `label`, in one call.
+
+    Never the SDK's containers.list(): it lists, then inspects each container, and a container
+    removed in between (auto-remove after its owner closed it) raises NotFound from the listing."""
+    return list(docker_client().api.containers(all=True, filters={"label": label}))
+
+
 def list_docker_sandboxes() -> list[dict[str, Any]]:
     out = []
-    for c in docker_client().containers.list(all=True, filters={"label": f"{LABEL}=1"}):
-        lab = c.labels
+    for c in sandbox_containers():
+        lab = c.get("Labels") or {}
         pid = int(lab.get("rl.owner_pid") or 0)
         start = int(lab["rl.owner_start"]) if lab.get("rl.owner_start") else None
         local = lab.get("rl.owner_host") == HOST
-        out.append({"id": lab.get("rl.id", c.short_id), "backend": "docker", "container": c.name, "status": c.status,
-                    "image": (c.image.tags or [c.image.short_id])[0] if c.image else "?",
+        names = c.get("Names") or ["/" + c["Id"][:12]]
+        out.append({"id": lab.get("rl.id", c["Id"][:12]), "backend": "docker", "container": names[0].lstrip("/"),
+                    "status": c.get("State", "?"), "image": c.get("Image", "?"),
                     "owner_pid": pid, "owner_host": lab.get("rl.owner_host"),
                     # owners on other hosts cannot be checked from here: treat as alive
                     "owner_alive": owner_alive(pid, start) if local else True,
                     "created": float(lab.get("rl.created") or 0) or None,
                     "labels": {k[3:]: v for k, v in lab.items() if k.startswith("rl.") and k[3:] not in
-                               ("sandbox", "id", "owner_pid", "owner_start", "owner_host", "created")},
-                    "_container": c})
+                               ("sandbox", "id", "owner_pid", "owner_start", "owner_host", "created")}})
     return out
 
 
@@ -271,9 +279,9 @@ def gc_docker_sandboxes(all_: bool = False, run: str | None = None) -> list[str]
         if not stale:
             continue
         try:
-            s["_container"].remove(force=True)
+            docker_client().api.remove_container(s["container"], force=True)
         except docker.errors.APIError:
-            pass
+            pass  # already gone (auto-removed) or being removed
         shutil.rmtree(STATE_ROOT / "docker" / s["id"], ignore_errors=True)
         removed.append(s["id"])
     sweep_state_dirs()
@@ -322,5 +330,5 @@ def raw_docker_run_kwargs(limits: SandboxLimits) -> dict[str, Any]:
                 tmpfs={WORKDIR: f"size={limits.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
                        "/tmp": f"size={limits.tmp_mb}m,mode=1777,exec"},
                 labels={LABEL: "1", "rl.id": "raw-bench", "rl.owner_pid": str(os.getpid()),
-                        "rl.owner_start": str(_start_time(os.getpid()) or ""), "rl.owner_host": HOST})
+                        "rl.owner_start": str(start_time(os.getpid()) or ""), "rl.owner_host": HOST})
 

@@ -17,9 +17,10 @@ import threading
 import time
 from typing import Any, Iterator, Mapping, AsyncIterator
 
-from ._slots import NodeSlots
+from ._slots import NodeSlots, SharedCap
 from .base import Sandbox, SandboxError, SandboxLimits, Snapshot, run_blocking
-from .process_backend import STATE_ROOT
+from .factory import open_sandbox, resolve_backend
+from .owner import STATE_ROOT
 
 
 class PoolExhausted(SandboxError):
@@ -31,7 +32,8 @@ class SandboxPool:
 
     warm: idle sandboxes kept ready; max_live: cap on this pool's live sandboxes
     (idle + in use + starting); node_cap: cap shared by all pools and processes on the
-    node; max_waiters: callers allowed to queue before acquire() fails fast;
+    node; shared_cap: cap shared with other pools of this process (SandboxPools);
+    max_waiters: callers allowed to queue before acquire() fails fast;
     episode_deadline + grading_time (+ ttl_margin, or an explicit ttl above them): the
     lifetime each acquired sandbox gets; health_interval: seconds between health checks
     of idle sandboxes (dead ones are replaced).
@@ -42,7 +44,7 @@ class SandboxPool:
                  ttl_margin: float = 60.0, ttl: float | None = None, max_waiters: int | None = None,
                  health_interval: float = 5.0, labels: Mapping[str, str] | None = None,
                  env: Mapping[str, str] | None = None, start_parallelism: int = 2,
-                 node_cap: int | None = None) -> None:
+                 node_cap: int | None = None, shared_cap: SharedCap | None = None) -> None:
         if warm < 0 or max_live < 1 or warm > max_live:
             raise ValueError(f"need 0 <= warm <= max_live and max_live >= 1, got warm={warm} max_live={max_live}")
         floor = episode_deadline + grading_time
@@ -50,8 +52,6 @@ class SandboxPool:
             ttl = floor + ttl_margin
         if ttl <= floor:
             raise ValueError(f"sandbox ttl {ttl}s must exceed episode deadline + grading time ({floor}s)")
-        from . import resolve_backend
-
         self.backend = resolve_backend(backend, image)
         self.image = image
         self.ttl = float(ttl)
@@ -64,7 +64,8 @@ class SandboxPool:
         # process on the node together
         node_cap = node_cap if node_cap is not None else int(os.environ.get("RL_SANDBOX_NODE_CAP", "0")) or None
         self._slots = NodeSlots(node_cap, STATE_ROOT / "node-slots" / str(node_cap)) if node_cap else None
-        self._slot_fd: dict[int, int] = {}  # id(sandbox) -> fd holding its node slot
+        self._shared = shared_cap
+        self._slot_fd: dict[int, int] = {}  # id(sandbox) -> its reservation (node slot fd, -1 without a node cap)
         self._idle: collections.deque[Sandbox] = collections.deque()
         self._busy: set[Sandbox] = set()
         self._starting = 0
@@ -92,21 +93,29 @@ class SandboxPool:
                     "last_error": self._last_error, **self.stats}
 
     # -- starting ---------------------------------------------------------------
-    def _take_slot(self) -> int | None:
-        """A node slot fd (-1 when there is no node cap), or None when the node is full."""
-        return -1 if self._slots is None else self._slots.try_take()
+    def _take_slot(self, warm: bool = False) -> int | None:
+        """Reserve room for one more sandbox under the shared and node caps: a node slot fd (-1
+        when there is no node cap), or None when a cap is reached."""
+        if self._shared is not None and not self._shared.try_take(warm):
+            return None
+        fd = -1 if self._slots is None else self._slots.try_take()
+        if fd is None and self._shared is not None:
+            self._shared.give()
+        return fd
+
+    def _give_slot(self, slot: int) -> None:
+        if slot >= 0:
+            NodeSlots.give(slot)
+        if self._shared is not None:
+            self._shared.give()
 
     def _new(self, slot: int) -> Sandbox:
-        from . import open_sandbox
-
         try:
             sb = open_sandbox(self.backend, self.image, self.limits, self.labels, self.env)
         except BaseException:
-            if slot >= 0:
-                NodeSlots.give(slot)
+            self._give_slot(slot)
             raise
-        if slot >= 0:
-            self._slot_fd[id(sb)] = slot
+        self._slot_fd[id(sb)] = slot
         sb.add_close_callback(self._on_closed)
         return sb
 
@@ -117,8 +126,8 @@ class SandboxPool:
                     self._cv.wait(1.0)
                 if self._closed:
                     return
-                slot = self._take_slot()
-                if slot is None:  # the node is full: other processes free slots without telling us
+                slot = self._take_slot(warm=True)
+                if slot is None:  # a cap is reached: other pools and processes free room without telling us
                     self._cv.wait(0.2)
                     continue
                 self._starting += 1
@@ -142,7 +151,7 @@ class SandboxPool:
     def _on_closed(self, sb: Sandbox) -> None:
         slot = self._slot_fd.pop(id(sb), None)
         if slot is not None:
-            NodeSlots.give(slot)
+            self._give_slot(slot)
         with self._cv:
             self._busy.discard(sb)
             try:
@@ -194,6 +203,7 @@ class SandboxPool:
                 self.stats["rejected"] += 1
                 raise PoolExhausted(f"sandbox pool queue full: {self._waiters} waiting, {self.live}/{self.max_live} live")
             self._waiters += 1
+            waiting_for_room = False  # counted in the shared cap, so warm starts elsewhere yield
             try:
                 while True:
                     if self._idle:
@@ -207,18 +217,28 @@ class SandboxPool:
                             self._starting += 1
                             return None, slot
                         node_full = True
+                        if self._shared is not None and not waiting_for_room:
+                            waiting_for_room = True
+                            self._shared.wait_for_room(+1)
                     left = None if end is None else end - time.monotonic()
                     if left is not None and left <= 0:
                         self.stats["timeouts"] += 1
-                        where = f"node cap {self._slots.n} reached" if node_full and self._slots else \
-                            f"{self.live}/{self.max_live} live"
-                        raise PoolExhausted(f"no sandbox free within {timeout}s: {where}")
-                    # poll while the node is full: slots are freed by other processes
+                        raise PoolExhausted(f"no sandbox free within {timeout}s: {self._full_reason(node_full)}")
+                    # poll while a cap is reached: other pools and processes free room without telling us
                     self._cv.wait(min(left if left is not None else 1.0, 0.2 if node_full else 1.0))
                     if self._closed:
                         raise SandboxError("sandbox pool is closed")
             finally:
                 self._waiters -= 1
+                if waiting_for_room:
+                    self._shared.wait_for_room(-1)  # type: ignore[union-attr]
+
+    def _full_reason(self, cap_reached: bool) -> str:
+        if cap_reached and self._shared is not None and self._shared.held >= self._shared.n:
+            return f"cap of {self._shared.n} shared by the pools reached"
+        if cap_reached and self._slots is not None:
+            return f"node cap {self._slots.n} reached"
+        return f"{self.live}/{self.max_live} live"
 
     def fork(self, snap: Snapshot, timeout: float | None = None, labels: Mapping[str, str] | None = None) -> Sandbox:
         """A sandbox whose work dir starts as `snap`, made from a warm one: the fast way to
@@ -261,6 +281,15 @@ class SandboxPool:
                 idle = list(self._idle)
             for sb in idle:
                 self.check(sb)
+
+    def shed_idle(self) -> bool:
+        """Close one idle sandbox (room for another pool under a shared cap); False when none is idle."""
+        with self._cv:
+            if not self._idle:
+                return False
+            sb = self._idle.popleft()
+        sb.close()
+        return True
 
     def check(self, sb: Sandbox) -> bool:
         """Health-check one idle sandbox, refreshing its idle TTL; dead ones are replaced."""

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,8 +24,8 @@ from typing import Mapping, Sequence
 from . import _cgroup
 from ._client import AGENT_SOURCE, WORKDIR, AgentConnection, AgentSandbox
 from .base import ExecResult, SandboxError, SandboxLimits
+from .owner import STATE_ROOT, owner_alive, start_time
 
-STATE_ROOT = Path(os.environ.get("RL_SANDBOX_STATE", Path(tempfile.gettempdir()) / "rl-sandbox"))
 PROCESS_STATE = STATE_ROOT / "process"  # one dir per live sandbox: meta.json, agent.py, etc/
 SANDBOX_UID = 1000
 START_TIMEOUT = 30.0
@@ -228,7 +227,7 @@ class ProcessSandbox(AgentSandbox):
             raise SandboxError(f"process sandbox agent said {hello}")
 
     def _write_meta(self) -> None:
-        meta = {"id": self.id, "backend": self.backend, "owner_pid": os.getpid(), "owner_start": _start_time(os.getpid()),
+        meta = {"id": self.id, "backend": self.backend, "owner_pid": os.getpid(), "owner_start": start_time(os.getpid()),
                 "pid": self._proc.pid if self._proc else None, "ns_init": self._ns_init, "labels": self.labels,
                 "created": self.created, "image": self.image}
         _write_atomic(self._state / "meta.json", json.dumps(meta))
@@ -303,22 +302,6 @@ def _read_all(fd: int, timeout: float) -> bytes:
     return out
 
 
-def _start_time(pid: int) -> int | None:
-    """Process start time (clock ticks since boot) so a recycled pid is not mistaken for the owner."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def owner_alive(pid: int | None, start: int | None) -> bool:
-    if not pid:
-        return False
-    st = _start_time(int(pid))
-    return st is not None and (start is None or st == start)
-
-
 def list_process_sandboxes() -> list[dict]:
     out = []
     try:
@@ -352,7 +335,7 @@ def gc_process_sandboxes(all_: bool = False) -> list[str]:
             live_ids.add(meta["id"])
             continue
         for pid in (meta.get("ns_init"), meta.get("pid")):
-            if pid and _start_time(int(pid)) is not None:
+            if pid and start_time(int(pid)) is not None:
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                 except OSError:

@@ -1,4 +1,5 @@
-"""Shared fixtures: one Ray session for the whole test run (starting Ray costs seconds)."""
+"""Shared fixtures: one Ray session for the whole test run (starting Ray costs seconds), and the
+sandbox base image for every test that runs on Docker (sandbox, envs and rl tests alike)."""
 from __future__ import annotations
 
 import os
@@ -27,3 +28,17 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def docker_image() -> str:
+    """The sandbox base image, built here when absent: no test may rely on an earlier test or run
+    having built it. Skips (with the reason) only where no Docker daemon answers; a failed build
+    fails. RL_SANDBOX_IMAGE names another tag (a throwaway one checks this fixture without touching
+    the shared image), RL_SANDBOX_ROOTFS another rootfs cache."""
+    import sandbox
+    from sandbox.images import BASE_IMAGE, build_base_image
+
+    if not sandbox.docker_available():
+        pytest.skip("no Docker daemon answers (DOCKER_HOST or /var/run/docker.sock); .ci/start-docker.sh starts one")
+    return build_base_image(BASE_IMAGE)

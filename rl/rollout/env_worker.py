@@ -77,11 +77,11 @@ class EnvWorker:
     def _sandboxes(self):
         with self._lock:
             if self._sandbox_pool is None:
-                from sandbox import SandboxPool
+                from sandbox import SandboxPools
 
-                self._sandbox_pool = SandboxPool(backend=self.sandbox_backend, warm=self.warm_sandboxes,
-                                                 max_live=max(64, 4 * self.warm_sandboxes),
-                                                 labels={"run": self.run_name})
+                self._sandbox_pool = SandboxPools(backend=self.sandbox_backend, warm=self.warm_sandboxes,
+                                                  max_live=max(64, 4 * self.warm_sandboxes),
+                                                  labels={"run": self.run_name})
             return self._sandbox_pool
 
     def _open(self, env_name: str, episode_id: str):
@@ -90,7 +90,9 @@ class EnvWorker:
             env = idle.pop() if idle else None
         if env is None:
             env = self._envs.make(env_name, **self.env_specs[env_name])
-        sandbox = self._sandboxes().acquire(labels={"episode": episode_id}) if env.needs_sandbox else None
+        sandbox = None
+        if env.needs_sandbox:  # the environment's own sandbox spec: image, limits, network, time
+            sandbox = self._sandboxes().acquire(env.sandbox_spec, labels={"episode": episode_id})
         with self._lock:
             if sandbox is not None:
                 self.sandboxes[episode_id] = sandbox

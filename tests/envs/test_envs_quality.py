@@ -107,11 +107,7 @@ def test_gate_uses_the_ray_grader_pool_when_ray_runs(ray_session):
     assert report["ok"], report["reasons"]
 
 
-def test_shell_and_code_pass_the_gate_on_docker():
-    from sandbox import docker_available
-
-    if not docker_available():
-        pytest.skip("no Docker daemon answers here; the process backend is covered above")
+def test_shell_and_code_pass_the_gate_on_docker(docker_image):
     for name in ("shell-fix-test", "code"):
         report = check_env(name, {"sandbox_backend": "docker"}, max_tasks=1, replays=2, grader=LocalGrader())
         assert report["ok"], (name, report["reasons"])

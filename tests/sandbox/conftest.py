@@ -1,11 +1,12 @@
 """Fixtures for the sandbox tests: every backend through the public interface.
 
 `backend` runs a test on the process backend with bubblewrap, on its unshare fallback
-and on Docker. Docker tests build the base image once per session when it is absent
-and skip (with the reason) only where no daemon answers.
+and on Docker (through the session fixture `docker_image` of tests/conftest.py, which builds
+the base image when absent and skips only where no daemon answers).
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -23,15 +24,13 @@ from sandbox_testutil import RUN, use_unshare_fallback  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def docker_image() -> str:
-    if not sandbox.docker_available():
-        pytest.skip("no Docker daemon answers on /var/run/docker.sock (.ci/start-docker.sh could not start one)")
-    from sandbox.docker_backend import image_exists
-    from sandbox.images import BASE_IMAGE, build_base_image
+def base_rootfs_dir() -> Path:
+    """The debootstrap rootfs the base image is made from, built when absent (needs root and debootstrap)."""
+    if os.geteuid() != 0 or shutil.which("debootstrap") is None:
+        pytest.skip("building the base rootfs needs root and debootstrap (apt-get install -y debootstrap)")
+    from sandbox.images import ensure_base_rootfs
 
-    if not image_exists(BASE_IMAGE):
-        build_base_image(BASE_IMAGE)  # a failed build fails the tests: it is not a reason to skip
-    return BASE_IMAGE
+    return ensure_base_rootfs()
 
 
 @pytest.fixture(scope="session", autouse=True)

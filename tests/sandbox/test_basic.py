@@ -15,10 +15,13 @@ def test_state_persists_within_episode_and_is_gone_in_the_next(make_sb):
     assert sb.exec("echo 41 > counter").ok
     r = sb.exec("n=$(cat counter); echo $((n+1)) > counter; cat counter")
     assert r.exit_code == 0 and r.stdout.strip() == "42"
-    # a background server started in one turn answers in a later turn
-    assert sb.exec("(while true; do date +%s > tick; sleep 0.05; done) >/dev/null 2>&1 &").ok
-    r = sb.exec("sleep 0.3; test -s tick && echo running")
-    assert r.stdout.strip() == "running"
+    # a background process started in one turn keeps running in later turns. Each tick is renamed
+    # into place: `date > tick` truncates the file first, and a reader could see it empty
+    assert sb.exec("(while true; do date +%s%N > tick.new && mv tick.new tick; sleep 0.05; done) "
+                   ">/dev/null 2>&1 &").ok
+    first = sb.exec("for i in $(seq 200); do test -e tick && break; sleep 0.05; done; cat tick").stdout.strip()
+    r = sb.exec(f'for i in $(seq 200); do [ "$(cat tick)" != "{first}" ] && echo running && break; sleep 0.05; done')
+    assert first and r.stdout.strip() == "running", (first, r)
     # env, cwd, stdin, argv with spaces
     assert sb.exec("mkdir -p sub").ok
     r = sb.exec(["python3", "-c", "import os,sys; print(os.environ['X'], os.getcwd(), sys.stdin.read())"],
@@ -106,21 +109,21 @@ def test_fork_gives_independent_copies(make_sb):
 def test_async_twins_run_concurrently(make_sb):
     sbs = [make_sb(f"a{i}") for i in range(3)]
 
-    async def episode(sb: sandbox.Sandbox, i: int) -> str:
+    async def episode(sb: sandbox.Sandbox, i: int) -> list[float]:
         await sb.awrite_file("x", str(i))
-        r = await sb.aexec("sleep 0.5; cat x")
+        r = await sb.aexec("date +%s.%N; sleep 1; echo $(cat x); date +%s.%N")
         data = await sb.aread_file("x")
         assert data == str(i).encode()
-        return r.stdout
+        start, got, end = r.stdout.split()
+        assert got == str(i)
+        return [float(start), float(end)]
 
-    async def main() -> list[str]:
+    async def main() -> list[list[float]]:
         return await asyncio.gather(*(episode(sb, i) for i, sb in enumerate(sbs)))
 
-    import time
-
-    t0 = time.monotonic()
-    assert asyncio.run(main()) == ["0", "1", "2"]
-    assert time.monotonic() - t0 < 1.4  # three 0.5 s commands overlapped
+    spans = asyncio.run(main())
+    # they overlapped: every command had started before any had finished (sandboxes share the host clock)
+    assert max(start for start, _ in spans) < min(end for _, end in spans), spans
 
 
 def test_ttl_expiry_destroys_the_sandbox(make_sb):
@@ -144,15 +147,12 @@ def test_open_sandbox_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("jail", ["bwrap", "unshare"])
-def test_process_backend_runs_on_the_base_rootfs(jail: str, monkeypatch: pytest.MonkeyPatch):
+def test_process_backend_runs_on_the_base_rootfs(jail: str, base_rootfs_dir: Path, monkeypatch: pytest.MonkeyPatch):
     """The debootstrap rootfs kept by build-image is also a process-backend image, with
     bubblewrap and on the unshare fallback alike."""
-    from sandbox.images import base_rootfs
     from sandbox_testutil import use_unshare_fallback
 
-    root = base_rootfs()
-    if root is None:
-        pytest.skip("no base rootfs kept on this node (run `rl sandbox build-image --force` to keep one)")
+    root = base_rootfs_dir
     if jail == "unshare":
         use_unshare_fallback(monkeypatch)
     # a file the host's /usr has and the minimal rootfs lacks tells the two apart

@@ -52,15 +52,18 @@ def test_ls_and_gc_run():
 def test_env_image_from_dockerfile_builds_offline(docker_image: str, tmp_path: Path):
     from sandbox.docker_backend import docker_client
 
-    tag = f"rl-env-test-{uuid.uuid4().hex[:6]}:latest"
-    (tmp_path / "tool.py").write_text("print('tool ready')\n")
+    token = uuid.uuid4().hex[:6]
+    tag = f"rl-env-test-{token}:latest"
+    # unique content: a build that shares cached layers with another session's identical build
+    # fails when that session removes its image (and the layers) meanwhile
+    (tmp_path / "tool.py").write_text(f"print('tool {token} ready')\n")
     (tmp_path / "Dockerfile").write_text(f"FROM {docker_image}\nCOPY tool.py /opt/env/tool.py\n"
                                          "USER 0\nRUN chmod 0644 /opt/env/tool.py\nUSER 1000:1000\n")
     try:
         res = runner.invoke(sandbox_app, ["build-image", "--dockerfile", str(tmp_path / "Dockerfile"), "--name", tag])
         assert res.exit_code == 0, res.output
         with sandbox.open_sandbox("docker", image=tag) as sb:
-            assert sb.exec(["python3", "/opt/env/tool.py"]).stdout == "tool ready\n"
+            assert sb.exec(["python3", "/opt/env/tool.py"]).stdout == f"tool {token} ready\n"
         res = runner.invoke(sandbox_app, ["build-image"])
         assert res.exit_code == 0 and "already present" in res.output
     finally:

@@ -18,11 +18,11 @@ FAST = dict(episode_deadline=30.0, grading_time=10.0, health_interval=0.2, label
 def test_warm_acquire_is_fast_and_sandboxes_are_fresh(backend_name: str):
     with SandboxPool(backend_name, warm=2, max_live=4, **FAST) as pool:
         assert pool.wait_ready(2, timeout=60)
-        t0 = time.perf_counter()
+        warm, started = set(pool._idle), pool.status()["started"]
         sb = pool.acquire(labels={"episode": "w1"})
-        took = time.perf_counter() - t0
-        assert took < 0.05, f"warm acquire took {took * 1000:.1f} ms"
-        assert pool.status()["cold_starts"] == 0 and sb.labels["episode"] == "w1"
+        # a warm sandbox was handed out, none started for it (benchmarks/sandbox.py times this)
+        assert sb in warm and pool.status()["started"] == started and pool.status()["cold_starts"] == 0
+        assert sb.labels["episode"] == "w1"
         sb.write_file("state", "episode 1")
         pool.release(sb)
         assert not sb.alive
@@ -52,7 +52,7 @@ def test_cap_queues_and_back_pressure():
         t0 = time.monotonic()
         with pytest.raises(PoolExhausted, match="2/2 live"):
             pool.acquire(timeout=0.3)
-        assert 0.25 < time.monotonic() - t0 < 2
+        assert 0.25 < time.monotonic() - t0 < 10  # waited its timeout, then gave up
         # one caller may queue; a second one is refused at once (back-pressure)
         got: list[object] = []
         waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout=30)))
@@ -63,7 +63,7 @@ def test_cap_queues_and_back_pressure():
         t0 = time.monotonic()
         with pytest.raises(PoolExhausted, match="queue full"):
             pool.acquire(timeout=30)
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 10  # refused at once, not after its 30 s timeout
         a.close()  # frees a slot: the queued caller gets a sandbox
         waiter.join(30)
         assert len(got) == 1 and got[0].exec("echo ok").stdout == "ok\n"  # type: ignore[attr-defined]

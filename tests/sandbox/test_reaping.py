@@ -56,14 +56,14 @@ def test_killed_owner_leaves_no_container_or_process(backend: str):
             owner.wait()
     assert _wait(lambda: not host_pids(f"sleep\0{marker}"), 15), "sandboxed processes outlived their owner"
     if backend == "docker":
-        from sandbox.docker_backend import docker_client
+        from sandbox.docker_backend import sandbox_containers
 
         def gone() -> bool:
-            return not docker_client().containers.list(all=True, filters={"label": f"rl.id={sb_id}"})
+            return not sandbox_containers(f"rl.id={sb_id}")
 
         assert _wait(gone, 15), "container outlived its owner"
         from sandbox.docker_backend import gc_docker_sandboxes
-        from sandbox.process_backend import STATE_ROOT
+        from sandbox.owner import STATE_ROOT
 
         gc_docker_sandboxes()  # the host-side socket dir goes too
         assert not (STATE_ROOT / "docker" / sb_id).exists()
@@ -111,3 +111,22 @@ def test_labels_listing_and_gc_by_run(make_sb, backend: str):
             for _ in range(100):
                 sb.exec("true")
                 time.sleep(0.05)
+
+
+def test_listing_and_gc_tolerate_containers_removed_meanwhile(docker_image: str, monkeypatch: pytest.MonkeyPatch):
+    """A container auto-removed between the daemon's list and a per-container inspect (its owner
+    closed it) must not make `ls`/`gc` fail: every inspect answers NotFound here."""
+    import docker.errors
+
+    from sandbox.docker_backend import docker_client, gc_docker_sandboxes, list_docker_sandboxes
+
+    def removed_meanwhile(*_a: object, **_k: object) -> None:
+        raise docker.errors.NotFound("No such container")
+
+    run = f"{RUN}-race"
+    with sandbox.open_sandbox("docker", labels={"run": run, "episode": "race"}) as sb:
+        with monkeypatch.context() as m:
+            m.setattr(docker_client().api, "inspect_container", removed_meanwhile)
+            m.setattr(docker_client().api, "remove_container", removed_meanwhile)  # gc finds it gone already
+            assert sb.id in [s["id"] for s in list_docker_sandboxes()]
+            assert gc_docker_sandboxes(run=run) == [sb.id]
