@@ -198,6 +198,7 @@ class Trainer:
         pending = [item_from_dict(d) for d in snapshot["pending"]]
         ray.get(actors.scheduler.start_training.remote(snapshot["next_index"], pending))
         busy = _EngineClock(actors.rollout_workers)
+        health = _EnvHealth(actors.env_workers)
         with progress:
             for step in range(start_step, cfg.train.steps):
                 t0 = time.monotonic()
@@ -218,6 +219,7 @@ class Trainer:
                     "throughput/tokens_per_s": tokens / max(t3 - t0, 1e-9),
                     "rollout/tokens_per_s": tokens / max(t3 - t0, 1e-9),
                     "weights/version": float(step + 1),
+                    **health.metrics(),
                 })
                 logger.log(step, metrics)
                 append_jsonl(self.run_dir / "rollouts.jsonl", report.records)
@@ -242,6 +244,33 @@ class Trainer:
         if errors:
             self.say(f"step {step}: {len(errors)} sample(s) could not be graded and scored 0; "
                      f"latest ({errors[-1]['env']}): {errors[-1]['error']}")
+
+
+class _EnvHealth:
+    """Environment and grader failures per step (from the environment workers' running counts),
+    and the sandboxes alive now."""
+
+    def __init__(self, env_workers: list) -> None:
+        self.env_workers = env_workers
+        self.seen: dict[str, float] = {}
+
+    def metrics(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        live = 0.0
+        for ref in [w.health_report.remote() for w in self.env_workers]:
+            try:
+                h = ray.get(ref)
+            except ray.exceptions.RayError:  # restarting: counted at the next step
+                continue
+            live += h.sandboxes_live
+            for kind, table in (("env_errors", h.env_errors), ("grade_errors", h.grade_errors),
+                                ("grade_timeouts", h.grade_timeouts)):
+                for env, n in table.items():
+                    totals[f"env/{env}/{kind}"] = totals.get(f"env/{env}/{kind}", 0.0) + n
+        out = {key: n - self.seen.get(key, 0.0) for key, n in totals.items()}
+        self.seen.update(totals)
+        out["env/sandbox_live"] = live
+        return out
 
 
 class _EngineClock:
