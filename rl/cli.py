@@ -83,7 +83,7 @@ def version() -> None:
 
 _mount("envs.cli", "env_app", "env", "Environments: list, check, register.")
 _mount("sandbox.cli", "sandbox_app", "sandbox", "Sandboxes: run, ls, gc, build-image.")
-_mount("policy.cli", "model_app", "model", "The policy model: info.")
+_mount("policy.cli", "model_app", "model", "The policy model: info, import.")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,23 @@ def turn_seed(seed: int, turn: int, segment: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
+def _engine_processes(engine) -> list:
+    manager = getattr(engine.engine_core.resources, "engine_manager", None)
+    return list(getattr(manager, "processes", []))
+
+
+def _stop(engine) -> None:
+    """AsyncLLM.shutdown, then wait for its processes: vLLM kills a core that ignores SIGTERM but
+    does not reap it, which would leave a zombie behind."""
+    procs = _engine_processes(engine)
+    engine.shutdown()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+
+
 @dataclass
 class _Seq:
     tokens: list[int]
@@ -184,16 +201,16 @@ class VLLMEngine(RolloutEngine):
         return bool(self._engine.vllm_config.cache_config.enable_prefix_caching)
 
     def shutdown(self) -> None:
-        """Stop vLLM's engine process (and its worker); nothing of this engine keeps running."""
+        """Stop vLLM's engine process (and its worker); nothing of this engine keeps running. Call it
+        from the engine's event loop, or let that loop run once afterwards (vLLM cancels its tasks)."""
         if self._engine is not None:
-            self._engine.shutdown()
+            _stop(self._engine)
             self._engine = None
         shutil.rmtree(self._work_dir, ignore_errors=True)
 
     def engine_pids(self) -> list[int]:
         """Process ids of vLLM's engine process(es) (for tests and monitoring)."""
-        procs = getattr(self._engine.engine_core.resources.engine_manager, "processes", [])
-        return [p.pid for p in procs]
+        return [p.pid for p in _engine_processes(self._engine)]
 
     async def sleep(self) -> bool:
         """Free accelerator memory while the learner runs (colocation). vLLM's sleep mode needs a
@@ -261,6 +278,8 @@ class VLLMEngine(RolloutEngine):
             async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id):
                 o = out.outputs[0]
                 seg.tokens.extend(o.token_ids)
+                if seq is not None:
+                    self._stats.generated_tokens += len(o.token_ids)
                 if o.logprobs:
                     seg.logprobs.extend(lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids))
                 if out.prompt_logprobs:
@@ -304,7 +323,6 @@ class VLLMEngine(RolloutEngine):
                                turn_seed(params.seed, seq.turn, segment))
             seg = await self._run(f"{seq_id}#{seq.turn}.{segment}.{self._n_requests}", list(seq.tokens), vsp, seq)
             n = len(seg.tokens)
-            self._stats.generated_tokens += n
             out.tokens += seg.tokens
             out.logprobs += seg.logprobs[:n] if params.temperature > 0 else [0.0] * n
             out.versions += self._versions(seg, n, engine_version)
@@ -394,7 +412,7 @@ class VLLMEngine(RolloutEngine):
         await old.pause_generation(mode="abort", clear_cache=False)
         while any(s.engine is old for s in self._seqs.values()):
             await asyncio.sleep(0.005)  # let every aborted request reach its generate() first
-        old.shutdown()
+        _stop(old)
         self._engine = await asyncio.to_thread(self._build, model_dir)
         self._engine_version = version
         self._stats.extra["rebuilds"] = self._stats.extra.get("rebuilds", 0.0) + 1
