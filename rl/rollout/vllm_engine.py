@@ -59,7 +59,7 @@ def _config(model_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def check_servable(model_dir: str | Path, record_routing: bool = False) -> None:
+def check_servable(model_dir: str | Path, record_routing: bool = False, dtype: str = "bfloat16") -> None:
     """Raise VLLMUnavailable (one line naming the native engine) for what vLLM cannot serve here."""
     try:
         from vllm.model_executor.models.registry import ModelRegistry
@@ -78,6 +78,9 @@ def check_servable(model_dir: str | Path, record_routing: bool = False) -> None:
     if current_platform.is_cpu() and text.get("model_type") in ("kimi_linear", "kimi_k3"):
         raise VLLMUnavailable(f"vLLM engine: vLLM-CPU cannot run {arch} (its KDA ops are GPU-only and its MLA "
                               f"exceeds the CPU attention block-size limit); {_NATIVE}")
+    if current_platform.is_cpu() and "linear_attention" in (text.get("layer_types") or []) and dtype != "bfloat16":
+        raise VLLMUnavailable(f"vLLM engine: vLLM-CPU runs {arch}'s gated delta net layers in bfloat16 only; "
+                              f"set the vLLM dtype to bfloat16 (got {dtype})")
     if record_routing and not current_platform.is_cuda():
         raise VLLMUnavailable("vLLM engine: routed-expert capture needs vLLM's V2 model runner with Triton "
                               "(CUDA); set rollout.record_routing=false or " + _NATIVE)
@@ -126,7 +129,7 @@ def _stop(engine) -> None:
 class _Seq:
     tokens: list[int]
     turn: int = 0
-    fed: int = 0  # tokens the model has consumed
+    fed: int = 0  # tokens the model has consumed (a request feeds its prompt, then all it samples but the last)
     request_id: str | None = None  # the request in flight
     engine: Any = None  # the engine that request runs on
     closed: bool = False
@@ -161,7 +164,7 @@ class VLLMEngine(RolloutEngine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self.model_dir = Path(model_dir)
-        check_servable(self.model_dir, record_routing)
+        check_servable(self.model_dir, record_routing, dtype)
         self.dtype, self.max_model_len, self.max_num_seqs = dtype, max_model_len, max_num_seqs
         self.seed, self.record_routing, self.enforce_eager = seed, record_routing, enforce_eager
         self.memory_fraction, self.enable_prefix_caching = memory_fraction, enable_prefix_caching
@@ -280,6 +283,7 @@ class VLLMEngine(RolloutEngine):
                 seg.tokens.extend(o.token_ids)
                 if seq is not None:
                     self._stats.generated_tokens += len(o.token_ids)
+                    seq.fed = len(prompt) + len(seg.tokens) - 1  # all but the token just sampled
                 if o.logprobs:
                     seg.logprobs.extend(lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids))
                 if out.prompt_logprobs:
