@@ -13,9 +13,9 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_atte
                pad_token_id=0, initializer_range=0.2)
 
 
-def tiny_hf_model(kind: str):
+def tiny_hf_model(kind: str, init: float = 0.2):
     """A random transformers causal LM: 'llama' (dense), 'qwen3_moe' or 'qwen3_next' (gated delta
-    net linear attention on 3 of 4 layers, MoE)."""
+    net linear attention on 3 of 4 layers, MoE). `init`: the initializer range."""
     import transformers as tf
 
     if kind == "llama":
@@ -32,10 +32,11 @@ def tiny_hf_model(kind: str):
         cls = tf.Qwen3NextForCausalLM
     else:
         raise ValueError(kind)
+    cfg.initializer_range = init
     torch.manual_seed(0)
     return cls(cfg).eval()
 
 
-def save_tiny(kind: str, directory: Path) -> Path:
-    tiny_hf_model(kind).save_pretrained(str(directory))
+def save_tiny(kind: str, directory: Path, init: float = 0.2) -> Path:
+    tiny_hf_model(kind, init).save_pretrained(str(directory))
     return directory
