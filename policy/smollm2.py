@@ -60,7 +60,10 @@ def import_smollm2(out: str | Path | None = None, force: bool = False) -> Path:
     gguf_model, tokenizer = load_gguf(gguf_path())
     if tokenizer.chat_template is None:
         raise ImportUnavailable(f"{GGUF_NAME} carries no chat template")
-    fresh = LlamaForCausalLM(gguf_model.config)
+    # the de-quantised weights are plain float32: drop the GGUF quantization entry (vLLM would
+    # otherwise look for a gguf file)
+    settings = {k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"}
+    fresh = LlamaForCausalLM(type(gguf_model.config).from_dict(settings))
     fresh.load_state_dict(gguf_model.state_dict())
     tmp = d.with_name(d.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

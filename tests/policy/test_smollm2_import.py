@@ -3,6 +3,7 @@ its tokenizer and chat template, whose logits are the GGUF model's."""
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ def test_import_writes_a_checkpoint_the_learner_reads(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.output.strip().endswith(str(out))  # after transformers' progress bars
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())  # plain float32 weights
 
     policy = HFPolicy.from_pretrained(out)
     assert type(policy.hf).__name__ == "LlamaForCausalLM"

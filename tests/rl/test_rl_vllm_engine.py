@@ -112,6 +112,25 @@ def test_logprobs_match_the_learner_forward(llama):
     assert gap.max() < 1e-3
 
 
+def test_top_p_logprobs_are_of_the_renormalised_nucleus_and_sleep_is_a_no_op_on_cpu(llama):
+    from vllm.platforms import current_platform
+
+    engine = llama.engine
+
+    async def go():
+        await engine.start_group(["n"], PROMPT)
+        out = await engine.generate("n", [], SamplingParams(8, 1.0, 0.5, frozenset(), 9))
+        engine.finish("n")
+        return out, await engine.sleep(), await engine.wake_up()
+
+    out, slept, woke = llama.run(go())
+    plain = _learner_logprobs(tiny_hf_model("llama"), PROMPT + out.tokens, 1.0)[len(PROMPT):]
+    assert all(lp > p + 1e-4 for lp, p in zip(out.logprobs, plain.tolist()))  # the nucleus drops mass
+    assert all(lp <= 0 for lp in out.logprobs)
+    if current_platform.is_cpu():
+        assert slept is False and woke is False
+
+
 def _perturbed(kind: str, scale: float = 1.3, init: float = 0.2) -> torch.nn.Module:
     """The model with every matrix scaled (new weights for an update)."""
     model = tiny_hf_model(kind, init)
