@@ -30,7 +30,7 @@ async def decode_rate(engine, prompt: list[int], n_seqs: int, tokens: int, tag: 
                                   for i, s in enumerate(ids)])
     wall = time.perf_counter() - start
     for s in ids:
-        engine.finish(s)
+        await engine.finish(s)
     return sum(len(o.tokens) for o in outs) / wall, outs
 
 

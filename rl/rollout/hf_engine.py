@@ -109,7 +109,7 @@ class TransformersEngine(RolloutEngine):
         self._stats.steps += len(new)
         return TurnOutput(new, logprobs, [version] * len(new), stopped)
 
-    def finish(self, seq_id: str) -> SequenceRecord:
+    async def finish(self, seq_id: str) -> SequenceRecord:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"transformers engine: no open sequence {seq_id!r}")

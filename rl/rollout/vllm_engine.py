@@ -177,7 +177,6 @@ class VLLMEngine(RolloutEngine):
         self._work_dir = Path(tempfile.mkdtemp(prefix="vllm-engine-", dir=work_dir))
         self._seqs: dict[str, _Seq] = {}
         self._ready = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
         self._n_requests = 0
         self.reload_mode: str | None = None  # "in_place" or "rebuild", decided by verify_reload
         self._stats = EngineStats()
@@ -341,15 +340,13 @@ class VLLMEngine(RolloutEngine):
         seq.fed = max(len(seq.tokens) - 1, 0)
         return out
 
-    def finish(self, seq_id: str) -> SequenceRecord:
+    async def finish(self, seq_id: str) -> SequenceRecord:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"vLLM engine: no open sequence {seq_id!r}")
         seq.closed = True
         if seq.request_id is not None and seq.engine is not None:  # abandon the turn in flight
-            task = asyncio.get_running_loop().create_task(seq.engine.abort(seq.request_id))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            await seq.engine.abort(seq.request_id)
         routing = None
         if seq.routing is not None:
             routing = seq.routing[: seq.fed]

@@ -27,7 +27,7 @@ def test_turns_are_reproducible_and_logprobs_are_the_learners():
         first = await asyncio.gather(engine.generate("a", [], p(1)), engine.generate("b", [], p(1)),
                                      engine.generate("c", [], p(2)))
         second = await engine.generate("a", [40, 41], p(1))
-        return first, second, engine.finish("a")
+        return first, second, await engine.finish("a")
 
     (a, b, c), a2, record = asyncio.run(go())
     assert a.tokens == b.tokens and a.logprobs == b.logprobs and c.tokens != a.tokens
@@ -66,4 +66,4 @@ def test_weight_update_changes_the_output():
     before, after = asyncio.run(go())
     assert engine.version == 3 and after.versions == [3] * 6 and before.logprobs != after.logprobs
     with pytest.raises(KeyError):
-        engine.finish("zz")
+        asyncio.run(engine.finish("zz"))

