@@ -64,25 +64,23 @@ async def run(args) -> dict:
     engine = VLLMEngine(model_dir, dtype=args.vllm_dtype, max_model_len=1024, max_num_seqs=max(args.concurrency))
     results["vllm_build_s"] = time.perf_counter() - start
     log(f"vLLM engine built in {results['vllm_build_s']:.1f} s")
+    hf = TransformersEngine(model_dir)
     await decode_rate(engine, prompt, 1, 4, "warm")
+    await decode_rate(hf, prompt, 1, 4, "warm")
     vllm_outs = None
+    # interleaved, so both engines see the same background load (this CPU is shared)
     for n in args.concurrency:
-        rate, outs = await decode_rate(engine, prompt, n, args.tokens, "vllm")
+        rate, vllm_outs = await decode_rate(engine, prompt, n, args.tokens, "vllm")
         results[f"vllm_tok_s_{n}"] = rate
-        vllm_outs = outs
-        log(f"vLLM {args.vllm_dtype}: {n} sequences: {rate:.1f} tok/s")
+        log(f"vLLM {args.vllm_dtype}: {n} sequences: {rate:.1f} tok/s (load {os.getloadavg()[0]:.1f})")
+        rate, _ = await decode_rate(hf, prompt, n, args.tokens, "hf")
+        results[f"hf_tok_s_{n}"] = rate
+        log(f"transformers float32: {n} sequences: {rate:.1f} tok/s (load {os.getloadavg()[0]:.1f})")
+        results[f"ratio_{n}"] = results[f"vllm_tok_s_{n}"] / results[f"hf_tok_s_{n}"]
     engine.shutdown()
     await asyncio.sleep(0.1)
     results["gap"] = logprob_gap(model_dir, prompt, vllm_outs)
     log(f"train-vs-rollout gap: {results['gap']}")
-    hf = TransformersEngine(model_dir)
-    await decode_rate(hf, prompt, 1, 4, "warm")
-    for n in args.concurrency:
-        rate, _ = await decode_rate(hf, prompt, n, args.tokens, "hf")
-        results[f"hf_tok_s_{n}"] = rate
-        log(f"transformers float32: {n} sequences: {rate:.1f} tok/s")
-    for n in args.concurrency:
-        results[f"ratio_{n}"] = results[f"vllm_tok_s_{n}"] / results[f"hf_tok_s_{n}"]
     return results
 
 
