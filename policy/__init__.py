@@ -5,13 +5,16 @@
     out = model(ids, cache=None, use_cache=False, routing=None, return_routing=False)
     model.after_optimizer_step()                                # MoE bias balancing + QK-Clip
     save_pretrained(model, dir, tokenizer=tok); from_pretrained(dir)   # HF kimi_k3 layout
+    build_policy({"preset": "toy", ...} | {"hf_path": dir})      # either kind; HFPolicy wraps transformers
 
 Beyond docs/architecture.md: forward(..., logits_to_keep=n, return_indexer_loss=True) and
 model.set_dsa_stage("warmup" | "sparse") for DSA indexer training; save_pretrained(...,
 mxfp4_experts=True, dtype=torch.bfloat16); ModelCache.compact(); `rl model info` (policy.cli).
 """
 from .cache import KDACache, MLACache, ModelCache
+from .build import build_policy
 from .checkpoint import from_pretrained, save_pretrained
+from .hf_policy import HFPolicy, checkpoint_state_dict
 from .config import PRESETS, ConfigError, ModelConfig, get_config
 from .model import CausalLMOutput, HybridForCausalLM, build_model
 from .params import count_parameters
@@ -20,5 +23,5 @@ from .tokenizer import Tokenizer
 __all__ = [
     "ModelConfig", "ConfigError", "PRESETS", "get_config", "build_model", "HybridForCausalLM",
     "CausalLMOutput", "ModelCache", "KDACache", "MLACache", "from_pretrained", "save_pretrained",
-    "Tokenizer", "count_parameters",
+    "Tokenizer", "count_parameters", "build_policy", "HFPolicy", "checkpoint_state_dict",
 ]

