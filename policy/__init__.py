@@ -11,11 +11,12 @@ Beyond docs/architecture.md: forward(..., logits_to_keep=n, return_indexer_loss=
 model.set_dsa_stage("warmup" | "sparse") for DSA indexer training; save_pretrained(...,
 mxfp4_experts=True, dtype=torch.bfloat16); ModelCache.compact(); `rl model info` (policy.cli).
 """
+from .build import build_policy, load_policy, save_policy
 from .cache import KDACache, MLACache, ModelCache
-from .build import build_policy
 from .checkpoint import from_pretrained, save_pretrained
-from .hf_policy import HFPolicy, checkpoint_state_dict
 from .config import PRESETS, ConfigError, ModelConfig, get_config
+from .hf_policy import HFPolicy, checkpoint_state_dict
+from .hf_tokenizer import HFChatTokenizer, load_tokenizer
 from .model import CausalLMOutput, HybridForCausalLM, build_model
 from .params import count_parameters
 from .tokenizer import Tokenizer
@@ -23,5 +24,6 @@ from .tokenizer import Tokenizer
 __all__ = [
     "ModelConfig", "ConfigError", "PRESETS", "get_config", "build_model", "HybridForCausalLM",
     "CausalLMOutput", "ModelCache", "KDACache", "MLACache", "from_pretrained", "save_pretrained",
-    "Tokenizer", "count_parameters", "build_policy", "HFPolicy", "checkpoint_state_dict",
+    "Tokenizer", "count_parameters", "build_policy", "save_policy", "load_policy", "HFPolicy", "checkpoint_state_dict",
+    "HFChatTokenizer", "load_tokenizer",
 ]

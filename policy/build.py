@@ -29,3 +29,31 @@ def build_policy(spec: Mapping[str, Any]) -> nn.Module:
     if spec.get("init_from"):
         model.load_state_dict(from_pretrained(spec["init_from"]).state_dict())
     return model
+
+
+def save_policy(model: nn.Module, path: str) -> None:
+    """Either kind of policy in the layout its serving engines read: kimi_k3 for our hybrid,
+    transformers' own for a transformers model."""
+    from .hf_policy import HFPolicy
+
+    if isinstance(model, HFPolicy):
+        model.save_pretrained(path)
+    else:
+        from .checkpoint import save_pretrained
+
+        save_pretrained(model, path)
+
+
+def load_policy(path: str) -> nn.Module:
+    """A saved policy of either kind (told apart by its config's model_type)."""
+    import json
+    from pathlib import Path
+
+    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type", "")
+    if model_type in ("kimi_k3", "kimi_linear"):
+        from .checkpoint import from_pretrained
+
+        return from_pretrained(path)
+    from .hf_policy import HFPolicy
+
+    return HFPolicy.from_pretrained(path).eval()

@@ -56,9 +56,9 @@ class RunActors:
                 ray.get(self.learner.shutdown.remote(), timeout=30)
             except Exception:
                 pass
-        for worker in self.env_workers:  # their grader actors and sandboxes first
+        for worker in [*self.env_workers, *self.rollout_workers]:  # grader actors, sandboxes, engine processes
             try:
-                ray.get(worker.close.remote(), timeout=30)
+                ray.get((worker.close if worker in self.env_workers else worker.shutdown).remote(), timeout=30)
             except Exception:
                 pass
         for actor in [*self.rollout_workers, *self.env_workers, self.scheduler, self.learner]:
@@ -67,6 +67,10 @@ class RunActors:
 
 
 def model_spec(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
+    """What policy.build_policy builds: a transformers model (hf_path) or a preset sized to the
+    run's tokenizer."""
+    if cfg.model.hf_path:
+        return {"hf_path": cfg.model.hf_path}
     overrides = {**cfg.model.overrides, "vocab_size": vocab_size}
     return {"preset": cfg.model.preset, "overrides": overrides, "init_from": cfg.model.init_from}
 

@@ -34,6 +34,28 @@ class ModelSection(Section):
     overrides: dict[str, Any] = Field(default_factory=dict)
     vocab_size: int = Field(default=512, ge=300)  # BPE vocabulary trained on the environments' text
     init_from: str | None = None  # a save_pretrained directory to start from
+    # a transformers causal LM directory (e.g. `rl model import smollm2`): the policy, its tokenizer
+    # and chat template instead of a preset and a trained BPE tokenizer
+    hf_path: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSection":
+        if self.hf_path and self.init_from:
+            raise ValueError("give model.hf_path (a transformers model) or model.init_from (our checkpoint), not both")
+        if self.hf_path and not Path(self.hf_path, "config.json").exists():
+            raise ValueError(f"model.hf_path: no config.json in {self.hf_path} (for SmolLM2: rl model import smollm2)")
+        return self
+
+
+class VLLMSection(Section):
+    """rollout.engine: vllm (rl.rollout.vllm_engine.VLLMEngine)."""
+
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    max_model_len: int = Field(default=4096, ge=64)
+    max_num_seqs: int = Field(default=64, ge=1)
+    kv_cache_gib: int = Field(default=1, ge=1)  # on CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    memory_fraction: float = Field(default=0.05, gt=0, le=1)  # on CPU: the share of RAM vLLM reserves
+    verify_every_update: bool = True  # probe logprobs after each weight update (MoE reloads drift on CPU)
 
 
 class EnvEntry(Section):
@@ -96,6 +118,10 @@ class RolloutConfig(Section):
     max_slots: int = Field(default=64, ge=1)
     cache_tokens: int = Field(default=131072, ge=64)
     max_batch_tokens: int = Field(default=2048, ge=16)  # prefill tokens per forward (longer inputs in chunks)
+    # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
+    # classes on the policy's Hugging Face checkpoint; transformers: `generate`, the slow baseline
+    engine: Literal["native", "vllm", "transformers"] = "native"
+    vllm: VLLMSection = Field(default_factory=lambda: VLLMSection())
 
     @model_validator(mode="after")
     def _training_samples_full_distribution(self) -> "RolloutConfig":
@@ -227,6 +253,19 @@ class RunConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     sandbox_backend: Literal["auto", "docker", "process"] = "auto"
+
+    @model_validator(mode="after")
+    def _engine_serves_the_policy(self) -> "RunConfig":
+        if self.model.hf_path and self.rollout.engine == "native":
+            raise ValueError("rollout.engine: native serves our hybrid presets; a transformers policy "
+                             "(model.hf_path) needs rollout.engine: vllm or transformers")
+        if self.rollout.engine != "native" and not self.model.hf_path:
+            raise ValueError(f"rollout.engine: {self.rollout.engine} serves a transformers checkpoint "
+                             f"(model.hf_path); our hybrid presets run on rollout.engine: native")
+        if self.model.hf_path and self.rollout.record_routing:
+            raise ValueError("rollout.record_routing: routing replay needs our hybrid policy; set it to false "
+                             "for a transformers policy (model.hf_path)")
+        return self
 
     @model_validator(mode="after")
     def _unique_envs(self) -> "RunConfig":

@@ -27,11 +27,11 @@ def evaluate_checkpoint(config_path: str, checkpoint: str, overrides: list[str],
                         output: str | None = None) -> dict:
     """Evaluate a checkpoint on the config's environments; the summary is written to `output`
     (default: eval.json beside the checkpoint's config.json) and returned."""
-    from policy import Tokenizer
+    from policy import load_tokenizer
 
     cfg = load_config(config_path, overrides)
     model_dir = resolve_checkpoint(checkpoint)
-    tok = Tokenizer.load(str(model_dir / "tokenizer"))
+    tok = load_tokenizer(str(model_dir / "tokenizer"))
     started = start_ray(cfg)
     actors = None
     run_id = f"eval-{model_dir.parent.name}-{model_dir.name}"

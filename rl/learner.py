@@ -49,22 +49,18 @@ class Learner:
         torch.set_num_threads(train_cfg.threads)
         init_single_process_group()
         import deepspeed
-        from policy import build_model
+        from policy import build_policy
 
         torch.manual_seed(seed)
         self.model_spec = model_spec
-        model = build_model(model_spec["preset"], **model_spec["overrides"])
-        if model_spec.get("init_from"):
-            from policy import from_pretrained
-
-            model.load_state_dict(from_pretrained(model_spec["init_from"]).state_dict())
+        model = build_policy(model_spec)
         self.cfg = train_cfg
         self.loss_cfg = loss_cfg
         self.temperature = temperature
         self.pad_id = pad_id
         self.reference = None
         if loss_cfg.kl_coef > 0:
-            self.reference = build_model(model_spec["preset"], **model_spec["overrides"])
+            self.reference = build_policy(model_spec)
             self.reference.load_state_dict(model.state_dict())
             self.reference.requires_grad_(False).eval()
         optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
@@ -198,11 +194,11 @@ class Learner:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
-        from policy import save_pretrained
+        from policy import save_policy
 
         state = {**client_state, "optimizer_steps": self.optimizer_steps, "policy_version": self.policy_version}
         self.engine.save_checkpoint(directory, tag=tag, client_state=state)
-        save_pretrained(self.engine.module, str(Path(directory) / tag / "hf"))
+        save_policy(self.engine.module, str(Path(directory) / tag / "hf"))
 
     def load(self, directory: str, tag: str) -> dict[str, Any]:
         _, client_state = self.engine.load_checkpoint(directory, tag=tag)

@@ -49,13 +49,18 @@ class Trainer:
         return out
 
     def _tokenizer(self, episodes: dict[str, list[dict[str, Any]]]):
-        from policy import Tokenizer
+        """A transformers policy's own tokenizer, else a BPE tokenizer trained on the environments'
+        text; saved in the run folder either way (the rollout workers load it from there)."""
+        from policy import HFChatTokenizer, Tokenizer, load_tokenizer
 
         tok_dir = self.run_dir / "tokenizer"
         if tok_dir.exists():
-            return Tokenizer.load(str(tok_dir))
-        texts = [t for eps in episodes.values() for ep in eps for t in episode_texts(ep)]
-        tok = Tokenizer.train(texts, vocab_size=self.cfg.model.vocab_size)
+            return load_tokenizer(str(tok_dir))
+        if self.cfg.model.hf_path:
+            tok = HFChatTokenizer.load(self.cfg.model.hf_path)
+        else:
+            texts = [t for eps in episodes.values() for ep in eps for t in episode_texts(ep)]
+            tok = Tokenizer.train(texts, vocab_size=self.cfg.model.vocab_size)
         tok.save(str(tok_dir))
         return tok
 

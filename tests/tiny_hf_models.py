@@ -40,3 +40,30 @@ def tiny_hf_model(kind: str, init: float = 0.2):
 def save_tiny(kind: str, directory: Path, init: float = 0.2) -> Path:
     tiny_hf_model(kind, init).save_pretrained(str(directory))
     return directory
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_chat_model(directory: Path, texts: list[str]) -> Path:
+    """A tiny random Llama with a byte-level BPE tokenizer trained on `texts` and a ChatML chat
+    template, saved as one Hugging Face directory (what `model.hf_path` takes)."""
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                     bos_token="<|im_start|>")
+    tok.chat_template = CHATML
+    cfg = tf.LlamaConfig(num_hidden_layers=2, **{**_COMMON, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+                                                 "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id})
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).eval().save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    return directory

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -13,15 +14,28 @@ from envs.grades import Grade, Grader
 KINDS = ("arithmetic", "fractions", "word")
 
 
+ANSWER_STYLES = ("marker", "last_number")
+
+
+def last_number(text: str | None) -> str | None:
+    """The last number in a response: how small chat models answer ("17 + 25 = 42")."""
+    found = re.findall(r"-?\d+(?:\.\d+)?(?:/\d+)?", (text or "").replace(",", ""))
+    return found[-1] if found else None
+
+
 class MathGrader(Grader):
     version = "1"
     timeout_s = 10.0
 
-    def __init__(self, allow_expressions: bool = False) -> None:
+    def __init__(self, allow_expressions: bool = False, answer_style: str = "marker") -> None:
         self.allow_expressions = allow_expressions
+        self.answer_style = answer_style
+        if answer_style == "last_number":
+            self.version = "1-last-number"  # another scoring: another version (no cache mix-up)
 
     def score(self, payload: dict[str, Any]) -> Grade:
-        pred = extract_answer(payload.get("response"))
+        extract = last_number if self.answer_style == "last_number" else extract_answer
+        pred = extract(payload.get("response"))
         ok = equivalent(pred, str(payload["gold"]), allow_expressions=self.allow_expressions)
         return Grade(reward=1.0 if ok else 0.0, passed=ok, grader_version="", details={"extracted": pred})
 
@@ -88,7 +102,9 @@ def _word(max_operand: int) -> Callable[[random.Random], dict[str, Any]]:
 
 
 class MathEnv(Environment):
-    """Single-turn math. Knobs: kind, max_operand, ops, n_terms, n_train, n_heldout, seed, data_files."""
+    """Single-turn math. Knobs: kind, max_operand, ops, n_terms, n_train, n_heldout, seed, data_files,
+    answer_style ("marker": the answer after "The answer is"; "last_number": the response's last
+    number, the style of small pretrained chat models)."""
 
     name = "math"
     domain = "math"
@@ -106,8 +122,11 @@ class MathEnv(Environment):
         seed: int = 0,
         data_files: str | None = None,
         allow_expressions: bool = False,
+        answer_style: str = "marker",
         **kwargs: Any,
     ) -> None:
+        if answer_style not in ANSWER_STYLES:
+            raise ValueError(f"math: unknown answer_style {answer_style!r}; expected one of {ANSWER_STYLES}")
         if kind not in KINDS:
             raise ValueError(f"math: unknown kind {kind!r}; expected one of {KINDS}")
         if not ops or set(ops) - set("+-*x"):
@@ -116,11 +135,13 @@ class MathEnv(Environment):
             raise ValueError("math: max_operand and n_terms must be at least 2")
         self.kind, self.max_operand, self.ops, self.n_terms = kind, max_operand, ops.replace("x", "*"), n_terms
         self.n_train, self.n_heldout, self.seed, self.data_files = n_train, n_heldout, seed, data_files
-        self.allow_expressions = allow_expressions
+        self.allow_expressions, self.answer_style = allow_expressions, answer_style
+        if answer_style == "last_number":
+            self.system_prompt = "Solve the problem."
         super().__init__(**kwargs)
 
     def make_grader(self) -> Grader:
-        return MathGrader(allow_expressions=self.allow_expressions)
+        return MathGrader(allow_expressions=self.allow_expressions, answer_style=self.answer_style)
 
     def build_tasks(self) -> Any:
         if self.data_files:  # user data: columns question, answer (task_id optional)

@@ -63,6 +63,7 @@ WeightUpdate = dict[str, torch.Tensor]  # the learner's state_dict (its own para
 class RolloutEngine(abc.ABC):
     """Async: many `generate` calls are in flight at once; the engine batches them."""
 
+    name: str = ""  # recorded on every sample it produced
     version: int = -1  # weight version held; -1 until the first update
 
     @abc.abstractmethod

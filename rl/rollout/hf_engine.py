@@ -32,6 +32,8 @@ class TransformersEngine(RolloutEngine):
     """`model`: a transformers causal LM, or the directory of one (loaded in `dtype`). Weight
     updates are its own state_dict (an HFPolicy learner's names are the same)."""
 
+    name = "transformers"
+
     def __init__(self, model: nn.Module | str | Path, dtype: torch.dtype = torch.float32,
                  initial_version: int = 0, threads: int | None = None) -> None:
         if isinstance(model, (str, Path)):

@@ -150,6 +150,8 @@ class VLLMEngine(RolloutEngine):
     """`model_dir`: a Hugging Face checkpoint (config.json + safetensors) vLLM can load; the engine
     holds its weights as `initial_version`. Build it inside the event loop that will call it."""
 
+    name = "vllm"
+
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", max_model_len: int = 4096,
                  max_num_seqs: int = 64, seed: int = 0, record_routing: bool = False,
                  kv_cache_gib: int = 1, memory_fraction: float = 0.05, enforce_eager: bool = True,

@@ -29,37 +29,64 @@ def member_seed(group_seed: int, member: int) -> int:
     return (group_seed * 1_000_003 + member) % (1 << 62)
 
 
-def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> tuple[RolloutEngine, int]:
-    """The configured engine around the policy; returns (engine, weight version it starts with)."""
-    from policy import build_model, from_pretrained
-
-    from rl.rollout.native_engine import NativeEngine
-
+def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> RolloutEngine:
+    """The configured engine around the policy. A saved policy (`path`: rl eval) holds version 0;
+    in training the engine holds no weights (version -1) until the learner's arrive. Call it inside
+    the event loop that will use the engine (vLLM's engine is tied to one)."""
     torch.manual_seed(seed)
-    if model_spec.get("path"):  # evaluating a saved policy: its weights are version 0
-        model, version = from_pretrained(model_spec["path"]), 0
-    else:  # training: weights arrive from the learner
-        model, version = build_model(model_spec["preset"], **model_spec["overrides"]), -1
-    engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cfg.cache_tokens,
-                          max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing)
-    engine.version = version
-    return engine, version
+    saved = model_spec.get("path")
+    version = 0 if saved else -1
+    if cfg.engine == "native":
+        from policy import build_policy, load_policy
+
+        from rl.rollout.native_engine import NativeEngine
+
+        model = load_policy(saved) if saved else build_policy(model_spec)
+        engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cfg.cache_tokens,
+                              max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing)
+        engine.version = version
+        return engine
+    model_dir = saved or model_spec["hf_path"]
+    if cfg.engine == "transformers":
+        from rl.rollout.hf_engine import TransformersEngine
+
+        return TransformersEngine(model_dir, initial_version=version, threads=1)
+    from rl.rollout.vllm_engine import VLLMEngine, check_servable
+
+    v = cfg.vllm
+    check_servable(model_dir, cfg.record_routing, v.dtype)
+    return VLLMEngine(model_dir, dtype=v.dtype, max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs,
+                      seed=seed, record_routing=cfg.record_routing, kv_cache_gib=v.kv_cache_gib,
+                      memory_fraction=v.memory_fraction, initial_version=version,
+                      verify_every_update=v.verify_every_update)
 
 
 class RolloutWorker:
     def __init__(self, model_spec: dict[str, Any], tokenizer_dir: str, env_worker_names: list[str],
                  cfg: RolloutConfig, seed: int) -> None:
         torch.set_num_threads(1)
-        from policy import Tokenizer
+        from policy import load_tokenizer
 
-        self.tokenizer = Tokenizer.load(tokenizer_dir)
-        self.engine, _ = build_engine(model_spec, cfg, seed)
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self._engine_args = (model_spec, cfg, seed)
+        self._engine: RolloutEngine | None = None  # built in the actor's event loop, on first use
         self.env_workers = [ray.get_actor(name) for name in env_worker_names]
         self.max_context = cfg.max_context
         self.stop_ids = frozenset(stop_token_ids(self.tokenizer))
 
+    @property
+    def engine(self) -> RolloutEngine:
+        if self._engine is None:
+            self._engine = build_engine(*self._engine_args)
+        return self._engine
+
     async def ping(self) -> int:
         return os.getpid()
+
+    async def shutdown(self) -> None:
+        """Stop the engine's processes and memory (a vLLM engine runs its own)."""
+        if self._engine is not None:
+            self._engine.shutdown()
 
     async def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         await self.engine.update_weights(state, version)
