@@ -121,6 +121,11 @@ class RolloutConfig(Section):
     # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
     # classes on the policy's Hugging Face checkpoint; transformers: `generate`, the slow baseline
     engine: Literal["native", "vllm", "transformers"] = "native"
+    # agentic episodes longer than max_context: "elide_tool_outputs" starts a new segment whose context
+    # is the prompt and every turn, tool outputs older than the last `keep_tool_outputs` replaced by a
+    # marker (each segment trains on the tokens generated in it; all share the episode's reward)
+    context_policy: Literal["none", "elide_tool_outputs"] = "none"
+    keep_tool_outputs: int = Field(default=1, ge=0)
     vllm: VLLMSection = Field(default_factory=lambda: VLLMSection())
 
     @model_validator(mode="after")

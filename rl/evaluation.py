@@ -9,26 +9,26 @@ from typing import Any, Sequence
 from rich.table import Table
 
 from policy.effort import effort_order
-from rl.types import Sample
+from rl.types import Sample, episodes
 
 
 def summarise_eval(samples: Sequence[Sample]) -> dict[str, Any]:
     """{"domain": {"effort": {"reward", "stderr", "pass_rate", "n", "tokens"}}} plus an "all" row and
     column. stderr: the standard error of the mean reward over the cell's samples."""
-    cells: dict[tuple[str, str], list[Sample]] = defaultdict(list)
-    for s in samples:
+    cells: dict[tuple[str, str], list[tuple[Sample, int]]] = defaultdict(list)
+    for s, length in episodes(list(samples)):  # each episode once, its length over all its segments
         for domain in (s.domain, "all"):
             for effort in (s.effort, "all"):
-                cells[(domain, effort)].append(s)
+                cells[(domain, effort)].append((s, length))
     out: dict[str, Any] = defaultdict(dict)
     for (domain, effort), group in sorted(cells.items()):
-        mean = sum(s.reward for s in group) / len(group)
-        var = sum((s.reward - mean) ** 2 for s in group) / (len(group) - 1) if len(group) > 1 else 0.0
+        mean = sum(s.reward for s, _ in group) / len(group)
+        var = sum((s.reward - mean) ** 2 for s, _ in group) / (len(group) - 1) if len(group) > 1 else 0.0
         out[domain][effort] = {
             "reward": mean,
             "stderr": math.sqrt(var / len(group)),
-            "pass_rate": sum(s.passed for s in group) / len(group),
-            "tokens": sum(s.response_tokens for s in group) / len(group),
+            "pass_rate": sum(s.passed for s, _ in group) / len(group),
+            "tokens": sum(length for _, length in group) / len(group),
             "n": len(group),
         }
     return dict(out)

@@ -41,9 +41,11 @@ class LossConfig:
 
 
 def compute_advantages(
-    rewards: Sequence[float], group_keys: Sequence[object], std_norm: Literal["none", "group", "batch"] = "none"
+    rewards: Sequence[float], group_keys: Sequence[object], std_norm: Literal["none", "group", "batch"] = "none",
+    episode_keys: Sequence[object] | None = None,
 ) -> np.ndarray:
-    """Reward minus its group's mean; a group is one (prompt, effort) pair.
+    """Reward minus its group's mean; a group is one (prompt, effort) pair. With `episode_keys`,
+    rows of one episode (its segments) share its reward and count once in the statistics.
 
     std_norm="group" divides by the group's sample standard deviation (ddof 1, as verl and TRL do;
     biased toward very easy/hard prompts, per Dr.GRPO), "batch" by the sample std of all the
@@ -52,6 +54,12 @@ def compute_advantages(
     rewards_arr = np.asarray(rewards, dtype=np.float64)
     if len(rewards_arr) != len(group_keys):
         raise ValueError(f"{len(rewards_arr)} rewards but {len(group_keys)} group keys")
+    if episode_keys is not None:
+        first = {key: i for i, key in reversed(list(enumerate(episode_keys)))}  # an episode's first row
+        rows = sorted(first.values())
+        once = compute_advantages(rewards_arr[rows], [group_keys[i] for i in rows], std_norm)
+        by_episode = {episode_keys[i]: a for i, a in zip(rows, once)}
+        return np.array([by_episode[key] for key in episode_keys])
     members: dict[object, list[int]] = defaultdict(list)
     for i, key in enumerate(group_keys):
         members[key].append(i)

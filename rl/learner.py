@@ -137,7 +137,8 @@ class Learner:
         if idle is not None:
             metrics["time/learner_wait_s"] = idle
         metrics.update(staleness_metrics(samples, batch.step))
-        adv = compute_advantages([s.reward for s in samples], [s.group_uid for s in samples], self.cfg.adv_std_norm)
+        adv = compute_advantages([s.reward for s in samples], [s.group_uid for s in samples], self.cfg.adv_std_norm,
+                                 episode_keys=[s.episode for s in samples])
         if not samples or not np.any(adv != 0):
             # Nothing to learn from: no optimizer step (AdamW's momentum would still move the
             # weights on a zero gradient); the version advances so every step has its own.

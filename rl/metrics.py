@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from rl.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink, wandb_mode
-from rl.types import Sample
+from rl.types import Sample, episodes
 
 
 class MetricsLogger:
@@ -57,22 +57,23 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str, float]:
-    """Reward, pass rate and length overall, per domain and per effort level; weight staleness."""
+    """Reward, pass rate and length overall, per domain and per effort level (each episode once,
+    its length over all its segments); weight staleness."""
     samples = list(samples)
     out: dict[str, float] = {}
-    buckets: dict[str, list[Sample]] = defaultdict(list)
+    buckets: dict[str, list[tuple[Sample, int]]] = defaultdict(list)
     buckets["all"] = []  # always reported, even for a step whose groups all failed
-    for s in samples:
-        buckets["all"].append(s)
-        buckets[f"domain/{s.domain}"].append(s)
-        buckets[f"effort/{s.effort}"].append(s)
+    for s, length in episodes(samples):
+        for key in ("all", f"domain/{s.domain}", f"effort/{s.effort}"):
+            buckets[key].append((s, length))
     for key, group in buckets.items():
         prefix = "rollout" if key == "all" else f"rollout/{key}"
         n = max(len(group), 1)
-        out[f"{prefix}/reward"] = sum(s.reward for s in group) / n
-        out[f"{prefix}/pass_rate"] = sum(s.passed for s in group) / n
-        out[f"{prefix}/response_tokens"] = sum(s.response_tokens for s in group) / n
+        out[f"{prefix}/reward"] = sum(s.reward for s, _ in group) / n
+        out[f"{prefix}/pass_rate"] = sum(s.passed for s, _ in group) / n
+        out[f"{prefix}/response_tokens"] = sum(length for _, length in group) / n
     out["rollout/samples"] = float(len(samples))
+    out["rollout/episodes"] = float(len(buckets["all"]))
     out["rollout/truncated"] = sum(s.truncated for s in samples) / max(len(samples), 1)
     out["rollout/grade_errors"] = float(sum(s.grade_error is not None for s in samples))
     out["rollout/turns"] = sum(s.num_turns for s in samples) / max(len(samples), 1)

@@ -56,6 +56,12 @@ class Sample:
     routing: np.ndarray | None = None  # int16 [T, n_moe_layers, top_k] experts chosen while sampling; -1 unrecorded
     transcript: list[dict[str, str]] = field(default_factory=list)  # messages: system, user, assistant, tool
     engine: str = ""  # which rollout engine produced it
+    segment: int = 0  # an episode rebuilt by the context policy trains as several segments
+
+    @property
+    def episode(self) -> str:
+        """The episode a segment belongs to (`group/member`)."""
+        return self.uid.split("@", 1)[0]
 
     @property
     def response_tokens(self) -> int:
@@ -79,6 +85,16 @@ class RolloutBatch:
 
     step: int
     samples: list[Sample]
+
+
+def episodes(samples: list[Sample]) -> list[tuple[Sample, int]]:
+    """Each episode once: (its first segment, response tokens over all its segments)."""
+    first: dict[str, Sample] = {}
+    tokens: dict[str, int] = {}
+    for s in samples:
+        first.setdefault(s.episode, s)
+        tokens[s.episode] = tokens.get(s.episode, 0) + s.response_tokens
+    return [(s, tokens[key]) for key, s in first.items()]
 
 
 def env_worker_index(env: str, n_workers: int) -> int:

@@ -10,11 +10,13 @@ import asyncio
 import os
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
 from rl.config import RolloutConfig
-from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams
+from rl.rollout.context import ELIDED, Turn, elide_tool_outputs
+from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams, SequenceRecord, TurnOutput
 from rl.rollout.env_worker import EpisodeEnd, EpisodeStart, StepReply
 from rl.rollout.layout import stop_token_ids
 from rl.types import Sample, WorkItem, env_worker_index
@@ -73,6 +75,8 @@ class RolloutWorker:
         self.env_workers = [ray.get_actor(name) for name in env_worker_names]
         self.max_context = cfg.max_context
         self.stop_ids = frozenset(stop_token_ids(self.tokenizer))
+        self.context_policy, self.keep_tool_outputs = cfg.context_policy, cfg.keep_tool_outputs
+        self.elided = self.tokenizer.encode_tool_result(ELIDED)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -103,6 +107,7 @@ class RolloutWorker:
             raise NoWeightsError("rollout worker has no weights yet: call set_weights first")
         env_worker = self._env_worker(item)
         ids = [f"{item.episode_prefix}/{i}" for i in range(item.group_size)]
+        opened = list(ids)  # engine sequences to close if the group is abandoned (segments join)
         start: EpisodeStart = await env_worker.reset_group.remote(item, ids)
         try:
             prompt = self.tokenizer.apply_chat_template(start.messages, effort=item.effort, add_generation_prompt=True)
@@ -110,51 +115,80 @@ class RolloutWorker:
                 raise ValueError(f"prompt of task {item.task_id!r} in {item.env!r} is {len(prompt)} tokens, "
                                  f"over rollout.max_context={self.max_context}")
             await self.engine.start_group(ids, prompt)
-            return list(await asyncio.gather(*[self._episode(item, i, sid, prompt, start, env_worker)
-                                               for i, sid in enumerate(ids)]))
+            episodes = await asyncio.gather(*[self._episode(item, i, sid, prompt, start, env_worker, opened)
+                                              for i, sid in enumerate(ids)])
+            return [sample for segments in episodes for sample in segments]
         except BaseException:  # failed or cancelled (aborted by the scheduler): free everything it holds
-            await asyncio.shield(self._abandon(item.episode_prefix, ids, env_worker))
+            await asyncio.shield(self._abandon(item.episode_prefix, opened, env_worker))
             raise
 
-    async def _abandon(self, prefix: str, ids: list[str], env_worker) -> None:
-        for sid in ids:
+    async def _abandon(self, prefix: str, opened: list[str], env_worker) -> None:
+        for sid in opened:
             await self.engine.finish(sid)
         await env_worker.abort.remote(prefix)
 
     async def _episode(self, item: WorkItem, member: int, sid: str, prompt: list[int], start: EpisodeStart,
-                       env_worker) -> Sample:
-        tokens, loss_mask = list(prompt), [0] * len(prompt)
-        logprobs, versions = [0.0] * len(prompt), [-1] * len(prompt)
+                       env_worker, opened: list[str]) -> list[Sample]:
+        """Play one episode; returns its samples: one, or one per segment when the context policy
+        rebuilt its context (each trains on the tokens generated in it)."""
+        seg, seg_id = _Segment(prompt), sid
+        history: list[Turn] = []
+        segments: list[tuple[_Segment, SequenceRecord]] = []
         append: list[int] = []
         turns, truncated, done = 0, False, False
         while turns < start.max_turns and not done:
-            budget = min(item.max_new_tokens, self.max_context - len(tokens) - len(append) - 1)
+            if (self.context_policy == "elide_tool_outputs" and history
+                    and len(seg.tokens) + len(append) + item.max_new_tokens >= self.max_context):
+                rebuilt = elide_tool_outputs(prompt, history, self.elided, self.keep_tool_outputs)
+                segments.append((seg, await self.engine.finish(seg_id)))
+                seg, seg_id = _Segment(rebuilt), f"{sid}@{len(segments)}"
+                opened.append(seg_id)
+                await self.engine.start_group([seg_id], rebuilt)
+                append = []
+            budget = min(item.max_new_tokens, self.max_context - len(seg.tokens) - len(append) - 1)
             if budget <= 0:
                 truncated = True
                 break
             params = SamplingParams(max_new_tokens=budget, temperature=item.temperature, top_p=item.top_p,
                                     stop_ids=self.stop_ids, seed=member_seed(item.seed, member))
-            out = await self.engine.generate(sid, append, params)
-            for part, m in ((append, 0), (out.tokens, 1)):
-                tokens += part
-                loss_mask += [m] * len(part)
-            logprobs += [0.0] * len(append) + out.logprobs
-            versions += [-1] * len(append) + out.versions
+            out = await self.engine.generate(seg_id, append, params)
+            seg.add(append, out)
             turns += 1
             reply: StepReply = await env_worker.step.remote(sid, self.tokenizer.decode(out.tokens))
             done, truncated = reply.done, reply.truncated
             if not done:
                 append = self.tokenizer.encode_tool_result(reply.observation)
+                history.append(Turn(out.tokens, append))
         truncated = truncated or not done  # out of context or of turns while the episode went on
-        record = await self.engine.finish(sid)
+        segments.append((seg, await self.engine.finish(seg_id)))
         end: EpisodeEnd = await env_worker.finish.remote(sid)
-        routing = None
-        if record.routing is not None:
-            routing = torch.full((len(tokens), *record.routing.shape[1:]), -1, dtype=torch.int16).numpy()
-            routing[:record.routing.shape[0]] = record.routing  # the last sampled token is never fed
-        return Sample(
-            uid=f"{item.uid}/{member}", group_uid=item.uid, env=item.env, domain=start.domain, task_id=item.task_id, effort=item.effort,
-            tokens=tokens, loss_mask=loss_mask, behavior_logprobs=logprobs, token_versions=versions,
+        return [Sample(
+            uid=f"{item.uid}/{member}" + (f"@{k}" if k else ""), group_uid=item.uid, env=item.env,
+            domain=start.domain, task_id=item.task_id, effort=item.effort, tokens=part.tokens,
+            loss_mask=part.loss_mask, behavior_logprobs=part.logprobs, token_versions=part.versions,
             reward=float(end.grade.reward), passed=bool(end.grade.passed), grade_error=end.grade.error,
             grader_version=end.grade.grader_version, grade_details=end.grade.details, num_turns=turns,
-            truncated=truncated, routing=routing, transcript=end.transcript, engine=self.engine.name)
+            truncated=truncated, routing=part.routing(record), transcript=end.transcript, engine=self.engine.name,
+            segment=k) for k, (part, record) in enumerate(segments)]
+
+
+class _Segment:
+    """The tokens of one context an episode was played in, and what was generated in it."""
+
+    def __init__(self, context: list[int]) -> None:
+        self.tokens, self.loss_mask = list(context), [0] * len(context)
+        self.logprobs, self.versions = [0.0] * len(context), [-1] * len(context)
+
+    def add(self, append: list[int], out: TurnOutput) -> None:
+        self.tokens += append + out.tokens
+        self.loss_mask += [0] * len(append) + [1] * len(out.tokens)
+        self.logprobs += [0.0] * len(append) + out.logprobs
+        self.versions += [-1] * len(append) + out.versions
+
+    def routing(self, record: SequenceRecord) -> np.ndarray | None:
+        """Experts per token, -1 for the tokens never fed (the last sampled one)."""
+        if record.routing is None:
+            return None
+        routing = np.full((len(self.tokens), *record.routing.shape[1:]), -1, dtype=np.int16)
+        routing[:record.routing.shape[0]] = record.routing
+        return routing
