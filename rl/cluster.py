@@ -12,7 +12,7 @@ import ray
 from rl.config import RunConfig
 from rl.errors import RunRefused
 from rl.grpo import LossConfig
-from rl.placement import Placement, plan_placement
+from rl.placement import Placement, check_cluster, plan_placement
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,17 +32,27 @@ def actor_env() -> dict[str, str]:
 
 
 def start_ray(cfg: RunConfig) -> bool:
-    """Join the cluster at `ray.address`, or start a local one. Returns whether we started it."""
+    """Join the cluster at `ray.address`, or start a local one, and check that it has the GPUs the
+    `resources` section asks for (before any other work). Returns whether we started it."""
     if ray.is_initialized():
-        return False
-    if cfg.ray.address:
+        started = False
+    elif cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": actor_env()}, log_to_driver=False)
-        return False
-    temp_dir = cfg.ray.temp_dir or str(REPO / ".cache" / "ray")
-    # address="local": a new cluster of our own, never one a `ray start` left on this machine
-    ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-             log_to_driver=False, _temp_dir=temp_dir, configure_logging=False, runtime_env={"env_vars": actor_env()})
-    return True
+        started = False
+    else:
+        temp_dir = cfg.ray.temp_dir or str(REPO / ".cache" / "ray")
+        # address="local": a new cluster of our own, never one a `ray start` left on this machine
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
+                 log_to_driver=False, _temp_dir=temp_dir, configure_logging=False,
+                 runtime_env={"env_vars": actor_env()})
+        started = True
+    try:
+        check_cluster(plan_placement(cfg.resources, cfg.rollout.num_workers, cfg.rollout.worker_cpus))
+    except RunRefused:
+        if started:
+            ray.shutdown()
+        raise
+    return started
 
 
 @dataclass

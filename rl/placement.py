@@ -87,6 +87,21 @@ def plan_placement(res: ResourcesConfig, num_workers: int, worker_cpus: float,
     return PlacementPlan(tuple(bundles), tuple(learner), tuple(rollout), summary)  # type: ignore[arg-type]
 
 
+def check_cluster(plan: PlacementPlan) -> None:
+    """Refuse, in one line naming the config section, a plan the Ray cluster's GPUs cannot hold."""
+    if not plan.bundles:
+        return
+    have = ray.cluster_resources().get("GPU", 0.0)
+    if plan.gpus > have:
+        raise RunRefused(f"resources: the config asks for {plan.gpus:g} GPUs ({plan.summary}), "
+                         f"the Ray cluster has {have:g}")
+    biggest = max(b.get("GPU", 0.0) for b in plan.bundles)
+    per_node = max((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]), default=0.0)
+    if biggest > per_node:
+        raise RunRefused(f"resources: an actor asks for {biggest:g} GPUs on one node ({plan.summary}), "
+                         f"the largest node has {per_node:g}")
+
+
 class Placement:
     """A plan with its reservation in the cluster; `options(slot)` are an actor's Ray options."""
 
@@ -97,15 +112,7 @@ class Placement:
             return
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        have = ray.cluster_resources().get("GPU", 0.0)
-        if plan.gpus > have:
-            raise RunRefused(f"resources: the config asks for {plan.gpus:g} GPUs ({plan.summary}), "
-                             f"the Ray cluster has {have:g}")
-        biggest = max(b.get("GPU", 0.0) for b in plan.bundles)
-        per_node = max((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]), default=0.0)
-        if biggest > per_node:
-            raise RunRefused(f"resources: an actor asks for {biggest:g} GPUs on one node ({plan.summary}), "
-                             f"the largest node has {per_node:g}")
+        check_cluster(plan)
         self.group = placement_group(list(plan.bundles), strategy="PACK")
         ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
         if not ready:
