@@ -1,9 +1,10 @@
 """Weight sync: the learner's weights to the rollout workers, in buckets, with a version.
 
 A sync is a manifest (version, the version it builds on, and where each tensor's bytes sit in which
-bucket) and its buckets: flat uint8 tensors of at most `bucket_bytes` (a larger tensor gets a
-bucket of its own). Receivers copy the bytes back into their own tensors, so a tensor arrives bit
-for bit. Only what changed since the last sync travels: trainable parameters always (the optimizer
+bucket) and its buckets: flat uint8 tensors of at most `bucket_bytes`; a tensor that does not fit
+the room left in a bucket starts a new one, and one larger than a bucket is cut into pieces over
+several, so the memory a sync needs beyond the weights is two buckets on each side. Receivers copy
+the bytes back into their own tensors (same dtype required), so a tensor arrives bit for bit. Only what changed since the last sync travels: trainable parameters always (the optimizer
 may have moved any of them), frozen parameters and buffers when their fingerprint changed. Such a
 delta applies only on top of the version it was computed from; a receiver holding another version
 refuses it (WeightVersionError) and needs a full sync.
@@ -33,7 +34,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-ALIGN = 64  # bytes: every tensor starts at a multiple, so a view of any dtype is aligned
+ALIGN = 64  # bytes: every piece starts at a multiple inside its bucket (aligned copies)
 _FINGERPRINT_CHUNK = 1 << 24  # elements summed at once (bounds the int64 scratch memory)
 
 
@@ -43,11 +44,14 @@ class WeightVersionError(RuntimeError):
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """One piece of a tensor's bytes: [start, start + nbytes) of the tensor at `offset` in `bucket`."""
+
     name: str
     dtype: str  # torch dtype name, e.g. "bfloat16"
     shape: tuple[int, ...]
     bucket: int
     offset: int  # bytes into the bucket
+    start: int  # bytes into the tensor
     nbytes: int
 
 
@@ -125,21 +129,29 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def layout(tensors: dict[str, torch.Tensor], names: list[str], bucket_bytes: int, version: int,
            base_version: int | None) -> SyncManifest:
-    """Tensors in order into buckets of at most bucket_bytes (a larger tensor alone in its own)."""
+    """Tensors in order into buckets of at most bucket_bytes. A tensor that fits a bucket but not the
+    room left starts the next one; a tensor larger than a bucket fills the room left and goes on in
+    the next ones."""
     entries: list[TensorEntry] = []
     sizes: list[int] = []
     used = 0
     for name in names:
         t = tensors[name]
-        n = t.numel() * t.element_size()
-        if used and _align(used) + n > bucket_bytes:  # close the bucket
-            sizes.append(_align(used))
-            used = 0
-        offset = _align(used)
-        entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), len(sizes), offset, n))
-        used = offset + n
+        total, start = t.numel() * t.element_size(), 0
+        while True:
+            offset = _align(used)
+            rest = total - start
+            if used and (offset >= bucket_bytes or (offset + rest > bucket_bytes and rest <= bucket_bytes)):
+                sizes.append(used)  # close the bucket
+                used = offset = 0
+            take = min(rest, bucket_bytes - offset)
+            entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), len(sizes), offset,
+                                       start, take))
+            used, start = offset + take, start + take
+            if start >= total:
+                break
     if entries:
-        sizes.append(_align(used))
+        sizes.append(used)
     return SyncManifest(version, base_version, tuple(entries), tuple(sizes))
 
 
@@ -174,7 +186,7 @@ class WeightSender:
         for i, size in enumerate(manifest.bucket_sizes):
             buf = staging[i % 2][:size]
             for e in by_bucket[i]:
-                buf[e.offset:e.offset + e.nbytes].copy_(_raw_bytes(tensors[e.name]))
+                buf[e.offset:e.offset + e.nbytes].copy_(_raw_bytes(tensors[e.name])[e.start:e.start + e.nbytes])
             yield buf
 
 
@@ -197,14 +209,16 @@ class WeightReceiver:
             mine = self.tensors.get(e.name)
             if mine is None:
                 raise ValueError(f"weight sync: the receiving model has no tensor {e.name!r} (different model specs?)")
-            if tuple(mine.shape) != e.shape:
-                raise ValueError(f"weight sync: {e.name!r} is {list(e.shape)} in the update, "
-                                 f"{list(mine.shape)} in the receiving model")
+            if tuple(mine.shape) != e.shape or str(mine.dtype).removeprefix("torch.") != e.dtype:
+                raise ValueError(f"weight sync: {e.name!r} is {e.dtype} {list(e.shape)} in the update, "
+                                 f"{mine.dtype} {list(mine.shape)} in the receiving model")
+            if not mine.is_contiguous():
+                raise ValueError(f"weight sync: {e.name!r} is not contiguous in the receiving model")
 
     def unpack(self, manifest: SyncManifest, index: int, bucket: torch.Tensor) -> None:
         for e in _by_bucket(manifest)[index]:
-            src = bucket[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
-            self.tensors[e.name].copy_(src)  # same dtype: the same bytes
+            mine = self.tensors[e.name].view(-1).view(torch.uint8)  # writes go to the tensor itself
+            mine[e.start:e.start + e.nbytes].copy_(bucket[e.offset:e.offset + e.nbytes])
 
 
 def _by_bucket(manifest: SyncManifest) -> list[list[TensorEntry]]:
@@ -431,7 +445,7 @@ def sync_weights(spec: SyncSpec, learner, workers: list, version: int, full: boo
     ray.wait(pulls, num_returns=len(pulls))  # every worker done (or refused) before an error is raised
     ray.get(pulls)
     m = ticket.manifest
-    return SyncReport(version, m.base_version is None, m.nbytes, len(m.bucket_sizes), len(m.entries),
+    return SyncReport(version, m.base_version is None, m.nbytes, len(m.bucket_sizes), len({e.name for e in m.entries}),
                       time.perf_counter() - started)
 
 

@@ -44,9 +44,12 @@ def assert_same_state(a: dict, b: dict) -> None:
 
 def test_buckets_reassemble_exactly_and_deltas_skip_unchanged_frozen_tensors():
     src, dst = Mixed(0), Mixed(1)
-    sender = WeightSender(bucket_bytes=256)  # emb (1400 B) and frozen (1200 B) each overflow a bucket
+    sender = WeightSender(bucket_bytes=256)  # emb (1400 B) and frozen (1200 B) are cut into pieces
     full = transfer(sender, src, dst, version=0, held=-1)
-    assert full.base_version is None and len(full.bucket_sizes) > 3
+    assert full.base_version is None and max(full.bucket_sizes) <= 256
+    assert len({e.bucket for e in full.entries if e.name == "emb"}) == 6
+    every_byte = sum(t.numel() * t.element_size() for k, t in src.state_dict().items() if k != "head.weight")  # tied
+    assert sum(e.nbytes for e in full.entries) == every_byte
     assert {e.name for e in full.entries} == {"emb", "proj", "frozen", "counts", "flags"}
     assert_same_state(src.state_dict(), dst.state_dict())
     assert not torch.equal(src.scratch, dst.scratch)  # non-persistent: not part of the weights
@@ -75,6 +78,8 @@ def test_a_delta_is_refused_by_a_receiver_holding_another_version():
                                                  "holds version 1; send a full sync"):
         WeightReceiver(Mixed(1)).check(delta, held_version=1)
     WeightReceiver(Mixed(1)).check(sender.plan(src, version=5, full=True), held_version=1)  # a full one is taken
+    with pytest.raises(ValueError, match="'proj' is bfloat16 \\[13, 3\\] in the update, torch.float32 \\[13, 3\\]"):
+        WeightReceiver(Mixed(1).float()).check(sender.plan(src, version=6, full=True), held_version=5)
 
 
 def test_fingerprint_sees_a_swap_of_two_values():
