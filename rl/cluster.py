@@ -10,37 +10,49 @@ from typing import Any
 import ray
 
 from rl.config import RunConfig
+from rl.errors import RunRefused
 from rl.grpo import LossConfig
+from rl.placement import Placement, check_cluster, plan_placement
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def actor_env() -> dict[str, str]:
     """Environment for every actor: single-threaded torch (many actors share few cores), caches
-    inside the checkout, wandb off in workers."""
+    inside the checkout, wandb off in workers. The learner picks DeepSpeed's accelerator itself,
+    from the device Ray gave it."""
     env = {
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
         "WANDB_MODE": "disabled",
         "TOKENIZERS_PARALLELISM": "false",
-        "DS_ACCELERATOR": "cpu",
     }
     return env
 
 
 def start_ray(cfg: RunConfig) -> bool:
-    """Join the cluster at `ray.address`, or start a local one. Returns whether we started it."""
+    """Join the cluster at `ray.address`, or start a local one, and check that it has the GPUs the
+    `resources` section asks for (before any other work). Returns whether we started it."""
     if ray.is_initialized():
-        return False
-    if cfg.ray.address:
+        started = False
+    elif cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": actor_env()}, log_to_driver=False)
-        return False
-    temp_dir = cfg.ray.temp_dir or str(REPO / ".cache" / "ray")
-    # address="local": a new cluster of our own, never one a `ray start` left on this machine
-    ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-             log_to_driver=False, _temp_dir=temp_dir, configure_logging=False, runtime_env={"env_vars": actor_env()})
-    return True
+        started = False
+    else:
+        temp_dir = cfg.ray.temp_dir or str(REPO / ".cache" / "ray")
+        # address="local": a new cluster of our own, never one a `ray start` left on this machine
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
+                 log_to_driver=False, _temp_dir=temp_dir, configure_logging=False,
+                 runtime_env={"env_vars": actor_env()})
+        started = True
+    try:
+        check_cluster(plan_placement(cfg.resources, cfg.rollout.num_workers, cfg.rollout.worker_cpus))
+    except RunRefused:
+        if started:
+            ray.shutdown()
+        raise
+    return started
 
 
 @dataclass
@@ -49,6 +61,7 @@ class RunActors:
     rollout_workers: list
     scheduler: Any
     learner: Any | None
+    placement: Placement | None = None
 
     def shutdown(self) -> None:
         if self.learner is not None:
@@ -64,6 +77,8 @@ class RunActors:
         for actor in [*self.rollout_workers, *self.env_workers, self.scheduler, self.learner]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
+        if self.placement is not None:
+            self.placement.release()
 
 
 def model_spec(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
@@ -121,15 +136,22 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
     # environment workers by name, not handle: a restartable actor whose constructor holds actor
     # handles is one Ray warns may fail to restart
     env_names = [env_worker_name(run_id, i) for i in range(len(env_workers))]
+    if cfg.resources.learner_gpus > 1:
+        raise RunRefused(f"resources: learner_gpus={cfg.resources.learner_gpus}, but the learner runs one rank "
+                         f"(one GPU) today")
+    placement = Placement(plan_placement(cfg.resources, cfg.rollout.num_workers, cfg.rollout.worker_cpus,
+                                         with_learner))
     rollout_workers = [
-        ray.remote(RolloutWorker).options(num_cpus=cfg.rollout.worker_cpus, name=f"rollout-{run_id}-{i}",
+        ray.remote(RolloutWorker).options(**placement.options(placement.plan.rollout[i]),
+                                          name=f"rollout-{run_id}-{i}",
                                           max_restarts=cfg.rollout.max_retries + 1, max_task_retries=0)
         .remote(spec, tokenizer_dir, env_names, cfg.rollout, cfg.seed + 1000 * (i + 1))
         for i in range(cfg.rollout.num_workers)
     ]
     learner = None
     if with_learner:
-        learner = ray.remote(Learner).options(num_cpus=0.5, name=f"learner-{run_id}").remote(
+        learner = ray.remote(Learner).options(**placement.options(placement.plan.learner[0]),
+                                              name=f"learner-{run_id}").remote(
             spec, cfg.train, loss_config(cfg), cfg.rollout.temperature, pad_id, cfg.seed)
     names = [e.name for e in cfg.envs]
     first = env_workers[0]
@@ -140,4 +162,4 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed)
     scheduler = ray.remote(RolloutScheduler).options(num_cpus=0, name=f"scheduler-{run_id}").remote(
         rollout_workers, env_workers, task_ids, plan, cfg.rollout)
-    return RunActors(env_workers, rollout_workers, scheduler, learner)
+    return RunActors(env_workers, rollout_workers, scheduler, learner, placement)

@@ -29,6 +29,32 @@ class RayConfig(Section):
     temp_dir: str | None = None  # defaults to <repo>/.cache/ray for a local cluster
 
 
+class ResourcesConfig(Section):
+    """GPUs for the policy's actors (rl.placement). All zero, the default: everything on CPU.
+
+    Separate (colocate: false): the learner holds `learner_gpus` GPUs and each rollout worker its
+    own `rollout_gpus` (a fraction packs workers on one GPU: 0.5 puts two on each). Colocated
+    (colocate: true): rollout workers have no GPUs of their own; they are spread over the
+    learner's GPUs and share their memory with the learner. (The engines do not yet release their
+    caches while the learner steps: size rollout.cache_tokens to leave the learner room.) Weights
+    then cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
+
+    learner_gpus: int = Field(default=0, ge=0)  # one DeepSpeed rank per GPU
+    rollout_gpus: float = Field(default=0.0, ge=0)  # per rollout worker
+    colocate: bool = False
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "ResourcesConfig":
+        if self.rollout_gpus > 1 and self.rollout_gpus != int(self.rollout_gpus):
+            raise ValueError(f"rollout_gpus={self.rollout_gpus}: above 1, a worker takes whole GPUs")
+        if self.colocate and self.learner_gpus == 0:
+            raise ValueError("colocate=true shares the learner's GPUs with the rollout workers: set learner_gpus >= 1")
+        if self.colocate and self.rollout_gpus:
+            raise ValueError(f"colocate=true: rollout workers use the learner's GPUs, so rollout_gpus must be 0, "
+                             f"got {self.rollout_gpus}")
+        return self
+
+
 class ModelSection(Section):
     preset: str = "toy"
     overrides: dict[str, Any] = Field(default_factory=dict)
@@ -246,6 +272,7 @@ class RunConfig(Section):
     seed: int = 0
     output_dir: str = "runs"
     ray: RayConfig = Field(default_factory=RayConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     model: ModelSection = Field(default_factory=ModelSection)
     envs: list[EnvEntry] = Field(default_factory=list, min_length=1)
     effort: EffortConfig = Field(default_factory=EffortConfig)

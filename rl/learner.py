@@ -6,7 +6,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -14,6 +14,9 @@ import torch
 from rl.config import TrainConfig
 from rl.grpo import LossConfig, accumulate_policy_gradient, collate, compute_advantages, policy_forward, split_rows
 from rl.types import RolloutBatch, Sample
+
+if TYPE_CHECKING:
+    from rl.weight_sync import SyncSpec, SyncTicket
 
 
 def free_port() -> int:
@@ -48,6 +51,11 @@ class Learner:
                  temperature: float, pad_id: int, seed: int) -> None:
         torch.set_num_threads(train_cfg.threads)
         init_single_process_group()
+        from rl.placement import actor_device
+
+        self.device = actor_device()  # cuda:0 when Ray gave this actor a GPU
+        # DeepSpeed reads its accelerator when first imported: CUDA (NCCL) on a GPU, else CPU (gloo)
+        os.environ["DS_ACCELERATOR"] = "cuda" if self.device.type == "cuda" else "cpu"
         import deepspeed
         from policy import build_policy
 
@@ -73,7 +81,7 @@ class Learner:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.optimizer_steps = 0
         self.policy_version = 0  # GRPO batches trained on (the weights' version label)
@@ -82,6 +90,20 @@ class Learner:
     # -- weights ---------------------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
+
+    # -- weight sync in buckets (rl.weight_sync; the trainer does not call these yet) -------------
+    def open_weight_sync(self, spec: "SyncSpec") -> "SyncSpec":
+        """Become rank 0 of the weight sync; returns the spec the workers join with."""
+        from rl.weight_sync import WeightSource
+
+        if getattr(self, "weight_source", None) is not None:
+            self.weight_source.close()
+        self.weight_source = WeightSource(spec, self.device)
+        return self.weight_source.spec
+
+    def push_weights(self, version: int, full: bool = False) -> "SyncTicket":
+        """Send what changed since the last push (everything when `full`), labelled `version`."""
+        return self.weight_source.push(self.engine.module, version, full)
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -117,6 +118,13 @@ class NativeEngine(RolloutEngine):
         async with self._lock:
             self.model.load_state_dict(weights)
             self.version = version
+
+    async def load_weights_with(self, load: Callable[[torch.nn.Module], int]) -> None:
+        """Like update_weights, for a loader that writes into the model itself and returns the
+        version it loaded (rl.weight_sync's buckets): run in a thread, between two forward passes."""
+        self._ensure_loop()
+        async with self._lock:
+            self.version = await asyncio.to_thread(load, self.model)
 
     def stats(self) -> EngineStats:
         s = self._stats

@@ -20,6 +20,7 @@ from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams, Se
 from rl.rollout.env_worker import EpisodeEnd, EpisodeStart, StepReply
 from rl.rollout.layout import stop_token_ids
 from rl.types import Sample, WorkItem, env_worker_index
+from rl.weight_sync import SyncSpec, SyncTicket, WeightSink
 
 
 class NoWeightsError(RuntimeError):
@@ -41,9 +42,11 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
     if cfg.engine == "native":
         from policy import build_policy, load_policy
 
+        from rl.placement import actor_device
         from rl.rollout.native_engine import NativeEngine
 
         model = load_policy(saved) if saved else build_policy(model_spec)
+        model = model.to(actor_device())  # the engine runs where its model is
         engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cfg.cache_tokens,
                               max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing)
         engine.version = version
@@ -95,6 +98,20 @@ class RolloutWorker:
     async def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         await self.engine.update_weights(state, version)
         return version
+
+    # -- weight sync in buckets (rl.weight_sync; the scheduler does not call these yet) ---------
+    async def open_weight_sync(self, spec: SyncSpec, rank: int) -> None:
+        if not hasattr(self.engine, "load_weights_with"):
+            raise ValueError(f"bucketed weight sync writes into the native engine's model; "
+                             f"{type(self.engine).__name__} takes whole state dicts (set_weights)")
+        device = next(self.engine.model.parameters()).device
+        if getattr(self, "weight_sink", None) is not None:
+            self.weight_sink.close()
+        self.weight_sink = await asyncio.to_thread(WeightSink, spec, rank, device)  # waits for the group
+
+    async def pull_weights(self, ticket: SyncTicket | None) -> int:
+        """Take one sync from the learner (ticket None: over the broadcast group); the version held."""
+        return await self.weight_sink.pull(self.engine, ticket)
 
     async def stats(self) -> EngineStats:
         return self.engine.stats()
