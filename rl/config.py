@@ -68,8 +68,6 @@ class ModelSection(Section):
     def _one_source(self) -> "ModelSection":
         if self.hf_path and self.init_from:
             raise ValueError("give model.hf_path (a transformers model) or model.init_from (our checkpoint), not both")
-        if self.hf_path and not Path(self.hf_path, "config.json").exists():
-            raise ValueError(f"model.hf_path: no config.json in {self.hf_path} (for SmolLM2: rl model import smollm2)")
         return self
 
 

@@ -312,6 +312,9 @@ def train(config_path: str | None, overrides: list[str], resume: str | None = No
         if config_path is None:
             raise RunRefused("rl train needs a CONFIG file or --resume RUN_DIR")
         cfg = load_config(config_path, overrides)
+        if cfg.model.hf_path and not (Path(cfg.model.hf_path) / "config.json").exists():
+            raise RunRefused(f"model.hf_path: no config.json in {cfg.model.hf_path} "
+                             f"(for SmolLM2, convert it once: rl model import smollm2)")
         run_dir = new_run_dir(cfg)
     dump_config(cfg, run_dir / "config.yaml")
     if console is not None:

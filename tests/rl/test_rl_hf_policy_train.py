@@ -74,5 +74,9 @@ def test_engines_and_policies_that_do_not_fit_are_refused_in_one_line(chat_model
         validate({**base, "rollout": {"engine": "vllm"}})
     with pytest.raises(ConfigError, match="routing replay needs our hybrid policy"):
         validate({**base, "model": {"hf_path": str(chat_model)}, "rollout": {"engine": "transformers"}})
-    with pytest.raises(ConfigError, match="no config.json"):
-        validate({**base, "model": {"hf_path": "/nonexistent"}})
+    from rl.errors import RunRefused
+    from rl.trainer import train
+
+    path = tiny_config(chat_model.parent, Path("/nonexistent"), "transformers")
+    with pytest.raises(RunRefused, match="no config.json in /nonexistent"):
+        train(str(path), [])
