@@ -142,6 +142,7 @@ class RolloutConfig(Section):
     max_slots: int = Field(default=64, ge=1)
     cache_tokens: int = Field(default=131072, ge=64)
     max_batch_tokens: int = Field(default=2048, ge=16)  # prefill tokens per forward (longer inputs in chunks)
+    sync_bucket_mb: int = Field(default=256, ge=1)  # weight pushes to the native engine go in buckets of this size
     # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
     # classes on the policy's Hugging Face checkpoint; transformers: `generate`, the slow baseline
     engine: Literal["native", "vllm", "transformers"] = "native"

@@ -22,6 +22,7 @@ from rl.rollout.scheduler import item_from_dict
 from rl.run_folder import (CHECKPOINTS, append_jsonl, latest_checkpoint, new_run_dir, read_json,
                            rewind_step_logs)
 from rl.types import env_worker_index
+from rl.weight_sync import SyncSpec
 
 
 class Trainer:
@@ -32,6 +33,7 @@ class Trainer:
         self.console = console
         self.run_id = run_dir.name
         self.actors: RunActors | None = None
+        self._sync_open = False
         self._started_ray = False
         self._env_workers: list = []
 
@@ -83,8 +85,19 @@ class Trainer:
         (self.run_dir / "gate.json").write_text(json.dumps(reports, indent=1))
 
     def _push_weights(self, version: int) -> float:
-        """The learner's weights to every rollout worker, labelled `version` (GRPO steps trained)."""
-        ref = self.actors.learner.get_weights.remote()
+        """The learner's weights to every rollout worker, labelled `version` (GRPO steps trained):
+        for the native engine a bucketed sync through the object store (rl.weight_sync), written
+        straight into the engines' models; the vLLM and transformers engines take a state dict."""
+        learner = self.actors.learner
+        if self.cfg.rollout.engine == "native":
+            if not self._sync_open:
+                ray.get(learner.open_weight_sync.remote(SyncSpec(transport="object_store",
+                                                                 bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)))
+                self._sync_open = True
+            # full every time: a worker Ray restarted holds nothing a delta could build on
+            ref = learner.push_weights.remote(version, True)
+        else:
+            ref = learner.get_weights.remote()
         return ray.get(self.actors.scheduler.set_weights.remote([ref], version))
 
     # -- phases ----------------------------------------------------------------------------------

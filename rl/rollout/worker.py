@@ -95,7 +95,13 @@ class RolloutWorker:
         if self._engine is not None:
             self._engine.shutdown()
 
-    async def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
+    async def set_weights(self, state: dict[str, torch.Tensor] | SyncTicket, version: int) -> int:
+        """New weights: a whole state dict (any engine), or a bucketed sync's ticket from the
+        learner's object-store transport (the native engine; loaded straight into its model)."""
+        if isinstance(state, SyncTicket):
+            if getattr(self, "weight_sink", None) is None:  # also after a restart: object store needs no group
+                await self.open_weight_sync(SyncSpec(transport="object_store"), 0)
+            return await self.pull_weights(state)
         await self.engine.update_weights(state, version)
         return version
 
