@@ -2,6 +2,7 @@
 loading, so neither imports the other)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -13,3 +14,21 @@ def keep_fp32(model: nn.Module) -> None:
     for name, b in model.named_buffers():
         if b.is_floating_point():
             b.data = b.data.float()
+
+
+def device_precision(device: torch.device) -> torch.dtype:
+    """Training and serving precision: bf16 weights on a GPU (fp32 master weights stay in the
+    learner's optimizer), fp32 on a CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def params_to(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Parameters in `dtype`, floating buffers in float32 (MoE load counts, the router's bias and
+    QK-Clip maxima need float32's range and resolution). DeepSpeed's bf16 mode casts a learner's
+    module so; an engine receiving its weights must hold the same dtypes."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    for b in model.buffers():
+        if b.is_floating_point():
+            b.data = b.data.float()
+    return model

@@ -91,6 +91,12 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device: torch.device) -> "TrainBatch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return TrainBatch(move(self.input_ids), move(self.loss_mask), move(self.behavior_logprobs),
+                          move(self.advantages), move(self.routing), move(self.ref_logprobs), move(self.token_mask),
+                          move(self.prox_logprobs), move(self.versions), self.row_domains)
+
     def slice(self, rows: slice) -> "TrainBatch":
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return TrainBatch(

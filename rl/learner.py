@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from policy.dtypes import device_precision, params_to
 from rl.config import TrainConfig
 from rl.grpo import LossConfig, accumulate_policy_gradient, collate, compute_advantages, policy_forward, split_rows
 from rl.types import RolloutBatch, Sample
@@ -73,16 +74,22 @@ class Learner:
             self.reference.requires_grad_(False).eval()
         optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
                                       weight_decay=train_cfg.weight_decay)
+        bf16 = device_precision(self.device) == torch.bfloat16
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": train_cfg.micro_batches,
             "gradient_clipping": train_cfg.grad_clip,
             "zero_optimization": {"stage": train_cfg.zero_stage},
+            "bf16": {"enabled": bf16},  # on a GPU: bf16 weights, fp32 master weights in the optimizer
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        if bf16:  # DeepSpeed casts buffers too; statistics and the router's bias need float32
+            params_to(self.engine.module, torch.bfloat16)
+        if self.reference is not None:
+            self.reference = params_to(self.reference.to(self.device), device_precision(self.device))
         self.optimizer_steps = 0
         self.policy_version = 0  # GRPO batches trained on (the weights' version label)
         self._last_train_end: float | None = None
@@ -135,7 +142,7 @@ class Learner:
         """One cross-entropy step on reference episodes (the policy's own tokens only)."""
         self._set_lr(lr)
         self.engine.train()
-        ids, mask, real = sft_batch(examples, self.pad_id)
+        ids, mask, real = (t.to(self.device) for t in sft_batch(examples, self.pad_id))
         total_tokens = max(float(mask.sum()), 1.0)
         loss_total, done = 0.0, 0
         for rows in split_rows(len(ids), self.cfg.micro_batches):
@@ -168,7 +175,7 @@ class Learner:
             self._last_train_end = time.monotonic()
             metrics.update({"train/tokens": 0.0, "train/skipped": 1.0})
             return {"metrics": metrics, "moe_load": None}
-        full = collate(samples, adv, self.pad_id)
+        full = collate(samples, adv, self.pad_id).to(self.device)
         policy = _TemperatureScaled(self.engine, self.temperature)
         if self.reference is not None:
             with torch.no_grad():

@@ -45,8 +45,11 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
         from rl.placement import actor_device
         from rl.rollout.native_engine import NativeEngine
 
-        model = load_policy(saved) if saved else build_policy(model_spec)
-        model = model.to(actor_device())  # the engine runs where its model is
+        from policy.dtypes import device_precision, params_to
+
+        device = actor_device()  # the engine runs where its model is, in the learner's precision there
+        model = params_to((load_policy(saved) if saved else build_policy(model_spec)).to(device),
+                          device_precision(device))
         engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cfg.cache_tokens,
                               max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing)
         engine.version = version
