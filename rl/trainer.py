@@ -41,6 +41,10 @@ class Trainer:
         if self.console is not None:
             self.console.print(text)
 
+    def phase(self, text: str) -> None:
+        """A timestamped line at each phase boundary: readable in a log, also without progress bars."""
+        self.say(f"[{time.strftime('%H:%M:%S')}] {text}")
+
     # -- set-up ----------------------------------------------------------------------------------
     def _reference_episodes(self, env_workers: list, per_env: int) -> dict[str, list[dict[str, Any]]]:
         out = {}
@@ -103,6 +107,7 @@ class Trainer:
     # -- phases ----------------------------------------------------------------------------------
     def _warmup(self, examples: list[dict[str, list[int]]], logger: MetricsLogger) -> None:
         w = self.cfg.warmup
+        self.phase(f"warm-up: {w.steps} supervised steps on {len(examples)} reference episodes")
         rng = random.Random(self.cfg.seed)
         progress = StepProgress("warm-up", w.steps, enabled=self.cfg.logging.progress)
         with progress:
@@ -116,6 +121,8 @@ class Trainer:
     def _evaluate(self, tag: str) -> dict[str, Any]:
         e = self.cfg.eval
         envs = [entry.name for entry in self.cfg.envs]
+        self.phase(f"evaluating ({tag}): {e.tasks_per_env} held-out tasks x {len(e.efforts)} effort levels x "
+                   f"{e.samples_per_task} samples per environment")
         samples = ray.get(self.actors.scheduler.evaluate.remote(envs, e.efforts, e.tasks_per_env,
                                                                 e.samples_per_task, e.temperature, tag))
         summary = summarise_eval(samples)
@@ -215,6 +222,8 @@ class Trainer:
         progress = StepProgress("GRPO", cfg.train.steps, completed=start_step, enabled=cfg.logging.progress)
         pending = [item_from_dict(d) for d in snapshot["pending"]]
         ray.get(actors.scheduler.start_training.remote(snapshot["next_index"], pending))
+        self.phase(f"GRPO: steps {start_step}..{cfg.train.steps - 1}, {cfg.rollout.groups_per_step} groups of "
+                   f"{cfg.rollout.group_size} a step, max_staleness {cfg.rollout.max_staleness}")
         busy = _EngineClock(actors.rollout_workers)
         health = _EnvHealth(actors.env_workers)
         with progress:
@@ -248,6 +257,10 @@ class Trainer:
                 self._say_problems(step, report, metrics)
                 if (step + 1) % cfg.checkpoint.every == 0 or step == cfg.train.steps - 1:
                     self._save(step)
+                if not cfg.logging.progress:  # no bar: a line per step
+                    self.phase(f"step {step}: reward {metrics['rollout/reward']:.3f}, {metrics['time/step_s']:.1f} s "
+                               f"(rollout {metrics['time/rollout_s']:.1f}, learner {metrics['time/train_s']:.1f}, "
+                               f"sync {metrics['time/sync_s']:.2f})")
                 progress.advance(f"reward {metrics['rollout/reward']:.3f}  kl {metrics.get('train/kl', 0.0):.4f}  "
                                  f"mismatch {metrics.get('train/mismatch', 0.0):.4f}  "
                                  f"{metrics['throughput/samples_per_s']:.1f} samples/s")

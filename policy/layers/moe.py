@@ -79,9 +79,10 @@ class StackedExperts(nn.Module):
         zs = z[tok]
         if _grouped_mm_usable(zs, self.w1):
             offs = counts.cumsum(0).to(torch.int32)
-            gate = torch._grouped_mm(zs, self.w1.transpose(-2, -1), offs=offs)
-            up = torch._grouped_mm(zs, self.w3.transpose(-2, -1), offs=offs)
-            out = torch._grouped_mm(glu(gate, up, *self.act), self.w2.transpose(-2, -1), offs=offs)
+            w1, w2, w3 = (_aligned(w) for w in (self.w1, self.w2, self.w3))
+            gate = torch._grouped_mm(zs, w1.transpose(-2, -1), offs=offs)
+            up = torch._grouped_mm(zs, w3.transpose(-2, -1), offs=offs)
+            out = torch._grouped_mm(glu(gate, up, *self.act), w2.transpose(-2, -1), offs=offs)
         else:
             parts, start = [], 0
             for e, c in enumerate(counts.tolist()):
@@ -109,6 +110,12 @@ def _grouped_mm_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
     """torch._grouped_mm: CUDA (sm90+), bf16, dims a multiple of 16 (its alignment rule)."""
     return (_GROUPED_MM and a.is_cuda and a.dtype == w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(a.device)[0] >= 9 and all(d % 16 == 0 for d in w.shape[1:]))
+
+
+def _aligned(w: torch.Tensor) -> torch.Tensor:
+    """w, or a copy of it when its storage is not 16-byte aligned (grouped GEMM's rule): DeepSpeed's
+    bf16 mode keeps parameters as views into one flat buffer. The copy passes gradients through."""
+    return w if w.data_ptr() % 16 == 0 else w.clone()
 
 
 class LatentMoE(nn.Module):
