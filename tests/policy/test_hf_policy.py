@@ -45,7 +45,7 @@ def _samples(n: int):
         logp = [0.0] * prompt + (-torch.rand(length - prompt, generator=g) * 3).tolist()
         out.append(Sample(uid=f"s{i}", group_uid=f"g{i // 4}", env="e", domain="d", task_id="t", effort="low",
                           tokens=tokens, loss_mask=[0] * prompt + [1] * (length - prompt), behavior_logprobs=logp,
-                          weight_version=0, reward=float(torch.rand(1, generator=g))))
+                          token_versions=[-1] * prompt + [0] * (length - prompt), reward=float(torch.rand(1, generator=g))))
     return out
 
 

@@ -86,7 +86,7 @@ def test_short_run_on_docker_runs_its_episodes_in_the_spec_s_containers(tmp_path
     name = f"docker-{uuid.uuid4().hex[:6]}"
     config = {**TINY, "name": name, "output_dir": str(tmp_path / "runs"), "sandbox_backend": "docker",
               "envs": [{"name": "shell", "kwargs": {"n_train": 16, "n_heldout": 4}, "sandbox": spec}],
-              "rollout": {**TINY["rollout"], "groups_per_step": 2},
+              "rollout": {**TINY["rollout"], "groups_per_step": 2, "drop_uniform_groups": False},
               "train": {"steps": 2, "micro_batches": 1}, "warmup": {"steps": 1, "batch_size": 4, "tasks_per_env": 4},
               "eval": {"tasks_per_env": 1, "efforts": ["low"], "before_and_after": False},
               "gate": {"enabled": False}}
