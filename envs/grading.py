@@ -146,7 +146,7 @@ class GraderPool(_GradingService):
         # num_cpus=0: graders are light and must not starve rollout workers of CPU slots
         self.actor_options = {"num_cpus": 0, **(actor_options or {})}
         self.startup_timeout_s = startup_timeout_s
-        self._ready: set[str] = set()
+        self._ready: set[tuple[str, type]] = set()
         self._idle: queue.Queue[Any] = queue.Queue()
         self._all: list[Any] = []
         for _ in range(num_actors):
@@ -158,13 +158,14 @@ class GraderPool(_GradingService):
         self._all.append(actor)
         return actor
 
-    def _wait_ready(self, actor: Any) -> None:
-        """Wait for a new actor to start, so its start-up time never counts against a grade's timeout."""
+    def _wait_ready(self, actor: Any, grader: Grader) -> None:
+        """Wait for a new actor to start and to load the grader's code (unpickling it imports its
+        modules), so start-up time never counts against a grade's timeout."""
         import ray
 
-        key = actor._actor_id.hex()
+        key = (actor._actor_id.hex(), type(grader))
         if key not in self._ready:
-            ray.get(actor.ready.remote(), timeout=self.startup_timeout_s)
+            ray.get(actor.ready.remote(grader), timeout=self.startup_timeout_s)
             self._ready.add(key)
 
     def _parallelism(self) -> int:
@@ -181,7 +182,7 @@ class GraderPool(_GradingService):
             replace = False
             try:
                 try:
-                    self._wait_ready(actor)
+                    self._wait_ready(actor, req.grader)
                 except GetTimeoutError:
                     errors.append(f"crashed (the grader actor did not start within {self.startup_timeout_s:g}s)")
                     replace = True
@@ -231,8 +232,8 @@ def _grader_actor_class() -> Any:
 
         @ray.remote(max_restarts=0)
         class GraderActor:
-            def ready(self) -> bool:
-                return True
+            def ready(self, grader: Grader | None = None) -> bool:
+                return True  # receiving the grader has imported its modules
 
             def grade(self, grader: Grader, payload: dict[str, Any]) -> Grade:
                 return grader(payload)

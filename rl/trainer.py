@@ -11,8 +11,9 @@ from typing import Any
 
 import ray
 
+from envs.registry import EnvRegistryError, check_names
 from rl.cluster import RunActors, env_kwargs, model_spec, start_env_side, start_policy_side, start_ray
-from rl.config import RunConfig, dump_config, load_config
+from rl.config import ConfigError, RunConfig, dump_config, load_config
 from rl.errors import RunRefused
 from rl.rollout.layout import episode_texts, reference_example
 from rl.evaluation import effort_table, eval_table, summarise_eval
@@ -251,6 +252,10 @@ def train(config_path: str | None, overrides: list[str], resume: str | None = No
         if config_path is None:
             raise RunRefused("rl train needs a CONFIG file or --resume RUN_DIR")
         cfg = load_config(config_path, overrides)
+        try:  # a misspelt name, or a class that no longer imports: one line, before anything starts
+            check_names([e.name for e in cfg.envs])
+        except EnvRegistryError as exc:
+            raise ConfigError(f"config error: {exc}") from None
         run_dir = new_run_dir(cfg)
     dump_config(cfg, run_dir / "config.yaml")
     if console is not None:

@@ -16,13 +16,11 @@ def failed_grade(error: str) -> dict[str, Any]:
 
 
 class EnvWorker:
-    def __init__(self, env_specs: dict[str, dict[str, Any]], grading: dict[str, Any], run_name: str,
+    def __init__(self, env_specs: dict[str, Any], grading: dict[str, Any], run_name: str,
                  sandbox_backend: str = "auto", warm_sandboxes: int = 8) -> None:
-        import envs
         from envs.grading import GraderPool
 
-        self._envs = envs
-        self.env_specs = env_specs
+        self.env_specs = env_specs  # name -> envs.registry.EnvRecipe, resolved by the driver
         self.grader_pool = GraderPool(**grading)
         self.run_name = run_name
         self.sandbox_backend = sandbox_backend
@@ -32,7 +30,7 @@ class EnvWorker:
         self._idle_envs: dict[str, list[Any]] = {name: [] for name in env_specs}
         self._sandbox_pool = None  # started on the first episode that needs a sandbox
         self.errors: dict[str, str] = {}  # episode id -> why its environment failed
-        self._templates = {name: envs.make(name, **kwargs) for name, kwargs in env_specs.items()}
+        self._templates = {name: recipe.make() for name, recipe in env_specs.items()}
 
     def task_ids(self, env: str, split: str) -> list[str]:
         return list(self._templates[env].dataset(split)["task_id"])
@@ -47,7 +45,7 @@ class EnvWorker:
 
     def _open(self, env_name: str, episode_id: str):
         idle = self._idle_envs[env_name]
-        env = idle.pop() if idle else self._envs.make(env_name, **self.env_specs[env_name])
+        env = idle.pop() if idle else self.env_specs[env_name].make()
         sandbox = None
         if env.needs_sandbox:
             sandbox = self._sandboxes().acquire(labels={"episode": episode_id})
