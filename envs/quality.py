@@ -25,7 +25,7 @@ import hashlib
 import json
 import statistics
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from envs.adversaries import (MIN_SECRET_CHARS, NULL_ANSWER, Adversary, Attempt,
 from envs.base import Environment
 from envs.data import SPLITS
 from envs.grades import Grade, GradeRequest
+from envs.grading import timed_out
 from envs.sandbox_scan import LEAK_NAME_PATTERN, SCAN_ROOTS, ScanResult, scan_sandbox
 from envs.toolcall import parse_turn
 
@@ -294,34 +295,22 @@ class _Gate:
         """Grade in parallel, uncached (identical payloads once when dedupe). A hang stops the gate."""
         keys = [req.cache_key() if dedupe else str(i) for i, (_, _, req) in enumerate(items)]
         first = {k: i for i, k in reversed(list(enumerate(keys)))}
-        results: dict[int, Grade] = {}
-        parallelism = getattr(self.grader, "_parallelism", lambda: 2)()
-        workers = max(1, min(len(first), parallelism))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            pending = {pool.submit(self._timed_grade, items[i][2]): i for i in first.values()}
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    i = pending.pop(fut)
-                    g = results[i] = fut.result()
-                    if g.error is not None and g.details.get("timed_out"):  # the grader, not the graded program
-                        for other in pending:
-                            other.cancel()
-                        label, task, _ = items[i]
-                        self.report["reasons"].append(f"grader hung: {g.error} on '{label}' ({task.where}); "
-                                                      f"the gate stopped there")
-                        raise _Stop
-        grades = [results[first[k]] for k in keys]
+        unique = sorted(first.values())
+        t0 = time.perf_counter()
+        graded = self.grader.grade_many([items[i][2] for i in unique], use_cache=False, stop_on_timeout=True)
+        if unique:
+            _add(self.timings, "grade", (time.perf_counter() - t0) / len(unique))  # per grade, in parallel
+        for i, g in zip(unique, graded):
+            if timed_out(g):
+                label, task, _ = items[i]
+                self.report["reasons"].append(f"grader hung: {g.error} on '{label}' ({task.where}); the gate stopped there")
+                raise _Stop
+        by_index = dict(zip(unique, graded))
+        grades = [by_index[first[k]] for k in keys]
         for (label, task, _), g in zip(items, grades):
             if g.error is not None and label != "reference":
                 self.grader_errors.append(f"'{label}' on {task.where}: {g.error}")
         return grades
-
-    def _timed_grade(self, req: GradeRequest) -> Grade:
-        t0 = time.perf_counter()
-        g = self.grader.grade(req, use_cache=False)  # never cached: replays must really re-grade
-        _add(self.timings, "grade", time.perf_counter() - t0)
-        return g
 
     def play(self, task: _Task, policy: Policy, after_final: str | None = None) -> Episode:
         return run_episode(self.env, task.task_id, policy, self.seed, self.timings, after_final, self.sandboxes)
