@@ -335,7 +335,8 @@ class ToolAbuse(Adversary):
         if not tools:
             return out
         junk = junk_calls(probe)
-        per_episode = max(1, env.max_turns - 1)  # keep a turn to answer with what the calls revealed
+        # keep a turn to answer with what the calls revealed, where the answer matters
+        per_episode = max(1, env.max_turns - 1) if probe.answer_matters else env.max_turns
         for i in range(0, min(len(junk), per_episode * MAX_JUNK_EPISODES), per_episode):
             label = "junk_calls" if i == 0 else f"junk_calls_{i // per_episode + 1}"
             out.append(Attempt(label, _junk_policy(probe, junk[i:i + per_episode])))
