@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import log, write_json  # noqa: E402
 from envs.grading import default_grader  # noqa: E402
-from envs.quality import check_env, reference_policy, run_episode  # noqa: E402
+from envs.gate_episodes import reference_policy, run_episode  # noqa: E402
+from envs.quality import check_env  # noqa: E402
 from envs.registry import make  # noqa: E402
 from rl.cluster import env_kwargs, start_ray  # noqa: E402
 from rl.config import load_config  # noqa: E402
@@ -54,7 +55,9 @@ def measure(name: str, kwargs: dict[str, Any], max_tasks: int | None) -> dict[st
     env = make(name, **kwargs)
     started = time.perf_counter()
     grader = default_grader(num_actors=2)
-    reference_cost(env, grader, 1)
+    tid = env.dataset("train")[0]["task_id"]
+    request = run_episode(env, tid, reference_policy(env.reference_actions(tid))).request
+    grader.grade_many([request] * 64, use_cache=False)  # enough chunks to reach every actor
     grader_start_s = time.perf_counter() - started
     started, cpu = time.perf_counter(), _cpu_s()
     report = check_env(name, kwargs, max_tasks=max_tasks, grader=grader, record=False)

@@ -21,18 +21,17 @@ a task; `findings` hold the transcripts of passing adversaries. `require_env_ok`
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.adversaries import (MIN_SECRET_CHARS, NULL_ANSWER, Adversary, Attempt, Find, Policy, TaskProbe, View,
-                              answer_in, builtin_adversaries, gold_in, script)
+from envs.adversaries import (MIN_SECRET_CHARS, NULL_ANSWER, Adversary, Attempt, Find, Policy, TaskProbe,
+                              answer_in, builtin_adversaries, gold_in)
 from envs.base import Environment
 from envs.data import SPLITS
+from envs.gate_episodes import Episode, GateSandboxes, add_timing, reference_policy, run_episode, state_digest
 from envs.grades import Grade, GradeRequest
 from envs.grading import timed_out
 from envs.sandbox_scan import LEAK_NAME_PATTERN, SCAN_ROOTS, ScanResult, scan_sandbox
@@ -67,74 +66,6 @@ class GateReport(dict):
         return json.loads(json.dumps(self, default=str))
 
 
-@dataclass
-class Episode:
-    """One scripted episode: its grade request (None when the environment raised) and transcript."""
-
-    request: GradeRequest | None
-    messages: list[dict[str, str]]
-    observations: list[str]
-    final_answer: str | None = None
-    error: str | None = None  # the environment raised: "ExcType: message"
-    accepted_after_final: bool = False
-
-
-def run_episode(env: Environment, task_id: str, policy: Policy, seed: int = 0,
-                timings: dict[str, list[float]] | None = None, after_final: str | None = None,
-                sandboxes: Any = None) -> Episode:
-    """Play one episode with a scripted policy; an exception from the environment is recorded, not raised.
-
-    sandboxes: where the episode's sandbox comes from (acquire/release, like a SandboxPool) as the
-    environment workers do; None: the environment opens its own."""
-    view: View | None = None
-    sandbox = None
-    try:
-        t0 = time.perf_counter()
-        if sandboxes is not None and env.needs_sandbox:
-            sandbox = sandboxes.acquire(timeout=120)
-        messages, _ = env.reset(seed=seed, options={"task_id": task_id, "sandbox": sandbox})
-        _add(timings, "reset", time.perf_counter() - t0)
-        view = View(prompt=messages[-1]["content"])
-        while not env.done:
-            action = policy(view)
-            t0 = time.perf_counter()
-            obs, _, _, _, info = env.step(action)
-            _add(timings, "tool_step" if info.get("tool") or info.get("tool_error") else "step", time.perf_counter() - t0)
-            view.turn += 1
-            if obs is not None:
-                view.observations.append(obs)
-        accepted = False
-        if after_final is not None:  # the environment must refuse it, or at least not run it
-            try:
-                accepted = env.step(after_final)[0] is not None
-            except Exception:  # noqa: BLE001 - refusing the turn is the right answer
-                pass
-        return Episode(env.grade_request(), env.messages, view.observations, env.final_answer, None, accepted)
-    except Exception as exc:  # noqa: BLE001 - a crashing environment is a finding, not a gate crash
-        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        return Episode(None, env.messages, view.observations if view else [], None, error)
-    finally:
-        if sandbox is not None:
-            sandboxes.release(sandbox)
-
-
-def reference_policy(actions: list[str]) -> Policy:
-    return script(actions)
-
-
-def _add(timings: dict[str, list[float]] | None, key: str, value: float) -> None:
-    if timings is not None:
-        timings.setdefault(key, []).append(value)
-
-
-def _state_digest(env: Environment) -> str | None:
-    """A hash of every file in the episode sandbox's work dir (names and contents)."""
-    if not env.needs_sandbox:
-        return None
-    r = env.sandbox.exec("find . -type f ! -path './.cache/*' -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum", timeout=30)
-    return hashlib.sha256((r.stdout + str(r.exit_code)).encode()).hexdigest()
-
-
 def _stats(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "mean_s": round(statistics.fmean(values), 6), "p50_s": round(statistics.median(values), 6),
             "max_s": round(max(values), 6)}
@@ -161,28 +92,6 @@ def _transcript(messages: list[dict[str, str]]) -> list[dict[str, str]]:
             text = text[:TRANSCRIPT_CHARS] + f"... [{len(text) - TRANSCRIPT_CHARS} more chars]"
         out.append({"role": m["role"], "content": text})
     return out
-
-
-class _Sandboxes:
-    """The gate's episode sandboxes: a warm pool, so starts overlap the episodes, and closes off
-    the main thread. Most of the gate's time on a sandboxed environment is sandbox starts."""
-
-    def __init__(self, backend: str) -> None:
-        from sandbox import SandboxPool
-
-        self.pool = SandboxPool(backend=backend, warm=4, max_live=12, start_parallelism=4,
-                                labels={"role": "quality-gate"})
-        self.closer = ThreadPoolExecutor(max_workers=1)
-
-    def acquire(self, timeout: float | None = None) -> Any:
-        return self.pool.acquire(timeout)
-
-    def release(self, sandbox: Any) -> None:
-        self.closer.submit(sandbox.close)
-
-    def close(self) -> None:
-        self.closer.shutdown(wait=True)
-        self.pool.close()
 
 
 class _Stop(Exception):
@@ -287,7 +196,7 @@ class _Gate:
         self.regraded = 0
         self.adversaries: list[Adversary] = []
         self.split_sizes: dict[str, int] = {}
-        self.sandboxes = _Sandboxes(env.sandbox_backend) if env.needs_sandbox else None
+        self.sandboxes = GateSandboxes(env.sandbox_backend) if env.needs_sandbox else None
         self.scan_sandbox: Any = None
 
     # -- grading -----------------------------------------------------------------------------
@@ -299,7 +208,7 @@ class _Gate:
         t0 = time.perf_counter()
         graded = self.grader.grade_many([items[i][2] for i in unique], use_cache=False, stop_on_timeout=True)
         if unique:
-            _add(self.timings, "grade", (time.perf_counter() - t0) / len(unique))  # per grade, in parallel
+            add_timing(self.timings, "grade", (time.perf_counter() - t0) / len(unique))  # per grade, in parallel
         for i, g in zip(unique, graded):
             if timed_out(g):
                 label, task, _ = items[i]
@@ -409,7 +318,7 @@ class _Gate:
             roots = SCAN_ROOTS + list(getattr(env, "leak_scan_roots", []))
             names = getattr(env, "leak_name_pattern", LEAK_NAME_PATTERN)
             task.scan = scan_sandbox(self.scan_sandbox, probes, golds, roots, names)
-            _add(self.timings, "scan", time.perf_counter() - t0)
+            add_timing(self.timings, "scan", time.perf_counter() - t0)
             if task.scan.error is not None:
                 self.leaks.append({"task_id": tid, "where": "leak scan failed", "probe": task.scan.error})
             for where, i in task.scan.probe_hits:
@@ -432,7 +341,7 @@ class _Gate:
         """Reset to a task: its messages and sandbox digest (the sandbox kept for a scan when keep)."""
         sandbox = self.sandboxes.acquire(timeout=120) if self.sandboxes is not None else None
         messages, _ = self.env.reset(seed=self.seed, options={"task_id": task_id, "sandbox": sandbox})
-        digest = _state_digest(self.env)
+        digest = state_digest(self.env)
         if sandbox is not None:
             if keep:
                 self.scan_sandbox = sandbox
