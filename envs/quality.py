@@ -22,6 +22,7 @@ a task; `findings` hold the transcripts of passing adversaries. `require_env_ok`
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -485,7 +486,8 @@ class _Gate:
         if self.leaks:
             lk = self.leaks[0]
             reasons.append(f"leaks: {len(self.leaks)} secret(s) readable by the policy (e.g. task {lk['task_id']}: {lk['where']})")
-        report["reasons"] = [*report["reasons"], *reasons]
+        # one line each: the trainer's refusal joins them into one line
+        report["reasons"] = [re.sub(r"\s*\n\s*", " | ", r) for r in [*report["reasons"], *reasons]]
 
 
 def _passes_line(key: str, tally: _Tally) -> str:
