@@ -2,7 +2,8 @@
 
 - `GraderPool`: a pool of Ray actors. A hung grader is killed at its deadline and its actor
   replaced; a crashed actor is replaced; either way the caller gets a failed Grade with a
-  clear error instead of a stall.
+  clear error instead of a stall. `grade_many` sends the actors chunks of requests, one Ray
+  call each; a chunk that fails is graded again one request at a time.
 - `LocalGrader`: the same interface in this process (threads): for the quality gate and
   tests without Ray. It cannot survive a grader that kills the process; the pool can.
 Both cache successful grades by (grader version, env, task, payload).
@@ -228,9 +229,6 @@ class GraderPool(_GradingService):
     def _grade_chunk(self, chunk: list[GradeRequest], stop: threading.Event | None) -> list[Grade]:
         """One actor call for the chunk; on failure, one request at a time (stop: set it on a
         grader timeout and skip what is left once it is set)."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
         if len(chunk) > 1:
             batch = self._try_batch(chunk)
             if batch is not None:
