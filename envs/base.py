@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import datasets
 
@@ -19,6 +19,9 @@ from envs.grades import Grade, Grader, GradeRequest
 from envs.toolcall import ParsedTurn, check_arguments, parse_turn
 from policy.effort import EFFORT_LEVELS as EFFORTS
 from sandbox import SandboxSpec, open_sandbox
+
+if TYPE_CHECKING:
+    from envs.adversaries import Adversary
 
 
 @dataclass
@@ -73,6 +76,10 @@ class Environment:
     needs_sandbox: bool = False
     sandbox_spec: SandboxSpec = SandboxSpec()  # the constructor's `sandbox` (a run config's) overrides fields
     heldout_fraction: float = 0.2  # used only when build_tasks returns one unsplit set
+    # Each task has exactly one right answer: the quality gate fails an environment whose grader
+    # accepts a near miss of the reference answer. Set False where tasks accept several answers
+    # (programs, free text): near misses that pass are then reported, not failed.
+    single_answer: bool = True
 
     def __init__(self, sandbox_backend: str = "auto", max_turns: int | None = None,
                  sandbox: SandboxSpec | Mapping[str, Any] | None = None) -> None:
@@ -117,6 +124,11 @@ class Environment:
     def leak_probes(self, task: dict[str, Any]) -> list[str]:
         """Strings that must never be readable inside the sandbox (hidden tests, answer files)."""
         return []
+
+    def gate_adversaries(self, builtin: list[Adversary]) -> list[Adversary]:
+        """The adversaries the quality gate runs on this environment: the built-in ones, plus any of
+        your own (`return [*builtin, MyCheat()]`). Every name that ran is listed in the report."""
+        return builtin
 
     # ---- the API used by the trainer --------------------------------------------------------
     @property
@@ -208,9 +220,21 @@ class Environment:
             return None, 0.0, False, True, info
         return observation, 0.0, False, False, info
 
+    def truncate(self) -> None:
+        """End the episode now (the policy ran out of tokens or context, perhaps mid tool call):
+        it is graded as truncated, with no final answer, on the sandbox state as it stands."""
+        if self._task is None:
+            raise RuntimeError(f"{self.name}: truncate() called before reset()")
+        if not self._done:
+            self._done = True
+            self._truncated = True
+
     def grade_request(self) -> GradeRequest:
-        if self._task is None or not self._done:
-            raise RuntimeError(f"{self.name}: grade_request() needs a finished episode (step until terminated or truncated)")
+        """What the grader needs. An episode still running (cut off by its token budget) is ended
+        first, as truncated: see truncate()."""
+        if self._task is None:
+            raise RuntimeError(f"{self.name}: grade_request() needs an episode: call reset() and step()")
+        self.truncate()
         payload = self.grade_payload(self._task, self._final_answer)
         payload.setdefault("truncated", self._truncated)
         payload.setdefault("turns", self._turns)
@@ -238,6 +262,11 @@ class Environment:
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def final_answer(self) -> str | None:
+        """The episode's final answer text (None while running, or when it ended without one)."""
+        return self._final_answer
 
     def _tools(self) -> list[Tool]:
         if not hasattr(self, "_tool_list"):

@@ -2,7 +2,8 @@
 
 - `GraderPool`: a pool of Ray actors. A hung grader is killed at its deadline and its actor
   replaced; a crashed actor is replaced; either way the caller gets a failed Grade with a
-  clear error instead of a stall.
+  clear error instead of a stall. `grade_many` sends the actors chunks of requests, one Ray
+  call each; a chunk that fails is graded again one request at a time.
 - `LocalGrader`: the same interface in this process (threads): for the quality gate and
   tests without Ray. It cannot survive a grader that kills the process; the pool can.
 Both cache successful grades by (grader version, env, task, payload).
@@ -14,7 +15,7 @@ import copy
 import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Iterable
 
 from envs.grades import Grade, Grader, GradeRequest
@@ -77,12 +78,36 @@ class _GradingService:
             self.cache.put(key, grade)
         return grade
 
-    def grade_many(self, reqs: Iterable[GradeRequest], use_cache: bool = True) -> list[Grade]:
+    def grade_many(self, reqs: Iterable[GradeRequest], use_cache: bool = True,
+                   stop_on_timeout: bool = False) -> list[Grade]:
+        """Grade many requests in parallel. stop_on_timeout: once a grader has timed out, requests
+        not yet started are not graded (they get a failed Grade saying so) - one hang is enough
+        to know, and every further one would cost a timeout."""
         reqs = list(reqs)
+        out: list[Grade | None] = [self.cache.get(r.cache_key()) if use_cache else None for r in reqs]
+        todo = [i for i, g in enumerate(out) if g is None]
+        for i, grade in zip(todo, self._grade_list([reqs[i] for i in todo], stop_on_timeout)):
+            grade.details.setdefault("task_id", reqs[i].task_id)
+            if use_cache:
+                self.cache.put(reqs[i].cache_key(), grade)
+            out[i] = grade
+        return out  # type: ignore[return-value]
+
+    def _grade_list(self, reqs: list[GradeRequest], stop_on_timeout: bool) -> list[Grade]:
+        """Uncached grades, `_parallelism()` at a time."""
+        results: list[Grade | None] = [None] * len(reqs)
         if not reqs:
             return []
         with ThreadPoolExecutor(max_workers=max(1, min(len(reqs), self._parallelism()))) as ex:
-            return list(ex.map(lambda r: self.grade(r, use_cache=use_cache), reqs))
+            pending = {ex.submit(self._grade_uncached, r): i for i, r in enumerate(reqs)}
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    results[pending.pop(fut)] = grade = fut.result()
+                    if stop_on_timeout and timed_out(grade):
+                        for other in [f for f in pending if f.cancel()]:  # not started: never will be
+                            pending.pop(other)
+        return [g if g is not None else _skipped(r) for g, r in zip(results, reqs)]
 
     async def agrade(self, req: GradeRequest, use_cache: bool = True) -> Grade:
         return await asyncio.to_thread(self.grade, req, use_cache)
@@ -92,6 +117,15 @@ class _GradingService:
 
     def _grade_uncached(self, req: GradeRequest) -> Grade:
         raise NotImplementedError
+
+
+def timed_out(grade: Grade) -> bool:
+    """The grader (not the program it graded) ran out of time."""
+    return grade.error is not None and bool(grade.details.get("timed_out"))
+
+
+def _skipped(req: GradeRequest) -> Grade:
+    return Grade.failed(req.grader_version, "not graded: an earlier grade timed out", skipped=True)
 
 
 class LocalGrader(_GradingService):
@@ -134,7 +168,7 @@ class GraderPool(_GradingService):
 
     def __init__(self, num_actors: int = 2, timeout_s: float | None = None, retries: int = 1,
                  cache_size: int = 10_000, actor_options: dict[str, Any] | None = None,
-                 startup_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 120.0, batch_size: int = 16) -> None:
         super().__init__(timeout_s, retries, cache_size)
         import ray
 
@@ -143,10 +177,11 @@ class GraderPool(_GradingService):
         if num_actors < 1:
             raise ValueError(f"num_actors must be >= 1, got {num_actors}")
         self.num_actors = num_actors
+        self.batch_size = max(1, batch_size)  # requests per actor call in grade_many
         # num_cpus=0: graders are light and must not starve rollout workers of CPU slots
         self.actor_options = {"num_cpus": 0, **(actor_options or {})}
         self.startup_timeout_s = startup_timeout_s
-        self._ready: set[str] = set()
+        self._ready: set[tuple[str, type]] = set()
         self._idle: queue.Queue[Any] = queue.Queue()
         self._all: list[Any] = []
         for _ in range(num_actors):
@@ -158,17 +193,83 @@ class GraderPool(_GradingService):
         self._all.append(actor)
         return actor
 
-    def _wait_ready(self, actor: Any) -> None:
-        """Wait for a new actor to start, so its start-up time never counts against a grade's timeout."""
+    def _wait_ready(self, actor: Any, grader: Grader) -> None:
+        """Wait for a new actor to start and to load the grader's code (unpickling it imports its
+        modules), so start-up time never counts against a grade's timeout."""
         import ray
 
-        key = actor._actor_id.hex()
+        key = (actor._actor_id.hex(), type(grader))
         if key not in self._ready:
-            ray.get(actor.ready.remote(), timeout=self.startup_timeout_s)
+            ray.get(actor.ready.remote(grader), timeout=self.startup_timeout_s)
             self._ready.add(key)
 
     def _parallelism(self) -> int:
         return self.num_actors
+
+    def _grade_list(self, reqs: list[GradeRequest], stop_on_timeout: bool) -> list[Grade]:
+        """Chunks of up to `batch_size` requests, one actor call each (a Ray round trip costs far
+        more than a typical grade). A chunk that times out or crashes is graded again one request
+        at a time, so a bad payload gets its own timeout, retries and error."""
+        results: list[Grade | None] = [None] * len(reqs)
+        stop = threading.Event()
+
+        def run(start: int) -> None:
+            if stop.is_set():
+                return
+            chunk = reqs[start:start + self.batch_size]
+            for i, grade in enumerate(self._grade_chunk(chunk, stop if stop_on_timeout else None), start):
+                results[i] = grade
+
+        starts = list(range(0, len(reqs), self.batch_size))
+        if starts:
+            with ThreadPoolExecutor(max_workers=min(len(starts), self.num_actors)) as ex:
+                list(ex.map(run, starts))
+        return [g if g is not None else _skipped(r) for g, r in zip(results, reqs)]
+
+    def _grade_chunk(self, chunk: list[GradeRequest], stop: threading.Event | None) -> list[Grade]:
+        """One actor call for the chunk; on failure, one request at a time (stop: set it on a
+        grader timeout and skip what is left once it is set)."""
+        if len(chunk) > 1:
+            batch = self._try_batch(chunk)
+            if batch is not None:
+                return batch
+        out = []
+        for req in chunk:
+            if stop is not None and stop.is_set():
+                out.append(_skipped(req))
+                continue
+            out.append(self._grade_uncached(req))
+            if stop is not None and timed_out(out[-1]):
+                stop.set()
+        return out
+
+    def _try_batch(self, chunk: list[GradeRequest]) -> list[Grade] | None:
+        """The chunk's grades from one actor call, or None when the call timed out or failed."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        actor = self._idle.get()
+        failed = False
+        try:
+            for grader in {type(r.grader): r.grader for r in chunk}.values():
+                self._wait_ready(actor, grader)
+            ref = actor.grade_batch.remote([(r.grader, r.payload) for r in chunk])
+            # the grades run one after another: the longest allowance, plus a tenth of the others'
+            # so a chunk of normal grades gets through on a starved machine; a hang shows soon
+            timeouts = sorted(self._timeout_for(r) for r in chunk)
+            return ray.get(ref, timeout=timeouts[-1] + 0.1 * sum(timeouts[:-1]))
+        except (GetTimeoutError, RayActorError):
+            failed = True
+        except Exception:  # noqa: BLE001 - e.g. one unpicklable grader: the single path says which
+            pass
+        finally:
+            if failed:
+                ray.kill(actor, no_restart=True)
+                self._all.remove(actor)
+                actor = self._spawn()
+                self.replaced += 1
+            self._idle.put(actor)
+        return None
 
     def _grade_uncached(self, req: GradeRequest) -> Grade:
         import ray
@@ -181,7 +282,7 @@ class GraderPool(_GradingService):
             replace = False
             try:
                 try:
-                    self._wait_ready(actor)
+                    self._wait_ready(actor, req.grader)
                 except GetTimeoutError:
                     errors.append(f"crashed (the grader actor did not start within {self.startup_timeout_s:g}s)")
                     replace = True
@@ -231,11 +332,14 @@ def _grader_actor_class() -> Any:
 
         @ray.remote(max_restarts=0)
         class GraderActor:
-            def ready(self) -> bool:
-                return True
+            def ready(self, grader: Grader | None = None) -> bool:
+                return True  # receiving the grader has imported its modules
 
             def grade(self, grader: Grader, payload: dict[str, Any]) -> Grade:
                 return grader(payload)
+
+            def grade_batch(self, items: list[tuple[Grader, dict[str, Any]]]) -> list[Grade]:
+                return [grader(payload) for grader, payload in items]
 
         _ACTOR_CLASS = GraderActor
     return _ACTOR_CLASS

@@ -1,11 +1,18 @@
 """Environment registry: built-ins, a decorator, `rl.envs` entry points, and local files.
 
 Local files registered with `register_file("path.py:ClassName")` are remembered in
-<registry dir>/registry.json; the last gate result per env is kept in checks.json beside it.
+<registry dir>/registry.json; gate results are kept in checks.json beside it, per name and
+class version (a hash of the class's source), so an edited class never shows an old verdict.
 The registry dir is $RL_ENVS_HOME, else the repo's .cache/envs, else ~/.cache/kimi-rl/envs.
+
+A name is taken once: registering another class under a registered name (a built-in's
+included) is refused unless `replace=True`. `resolve(name, kwargs)` gives a picklable
+`EnvRecipe` (the class itself, shipped by value when worker processes could not import it):
+what a driver hands to processes that build environments.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.metadata
@@ -15,13 +22,18 @@ import json
 import os
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from envs.base import Environment
 
 ENTRY_POINT_GROUP = "rl.envs"
+
+
+class EnvRegistryError(ValueError):
+    """A name that is unknown, taken, or whose class cannot be loaded; the message is one line."""
 
 
 @dataclass
@@ -39,11 +51,29 @@ class EnvSpec:
     domain: str
     tools: list[str]
     dataset_sizes: dict[str, int] | None
-    last_check: dict[str, Any] | None
+    last_check: dict[str, Any] | None  # the last gate verdict for this class version, if any
     source: str
     target: str
     defaults: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # set when the env could not be loaded or built
+    class_version: str | None = None
+    older_checks: int = 0  # verdicts recorded for other (earlier) versions of the class
+
+
+@dataclass(frozen=True)
+class EnvRecipe:
+    """How to build one configured environment: picklable, so a driver resolves the name once
+    and worker processes build from the class it found (they need not see the registration)."""
+
+    name: str
+    cls: type[Environment]
+    kwargs: dict[str, Any]
+
+    def make(self) -> Environment:
+        env = self.cls(**self.kwargs)
+        if env.name != self.name:  # presets and renamed registrations report the name they were made under
+            env.name = self.name
+        return env
 
 
 _ENTRIES: dict[str, _Entry] = {}
@@ -83,27 +113,67 @@ def _check_class(obj: Any, where: str) -> type[Environment]:
     return obj
 
 
-def register_env(cls: type[Environment] | None = None, *, name: str | None = None, **defaults: Any) -> Any:
-    """Decorator: `@register_env` or `@register_env(name="x", kind="toy")` (defaults become make() kwargs)."""
+def _ship_by_value(module: types.ModuleType) -> None:
+    """Ray workers cannot import a module they never saw (a local file, a test module): have
+    Ray's pickler carry its classes by value. The package's own modules stay by reference."""
+    if module.__name__ == "__main__" or module.__name__.split(".")[0] == "envs":
+        return  # __main__ is pickled by value anyway; envs is installed everywhere
+    try:
+        from ray import cloudpickle
+    except ImportError:  # only Ray needs it
+        return
+    cloudpickle.register_pickle_by_value(module)
+
+
+def _refuse_taken(name: str, target: str, replace: bool) -> None:
+    """Refuse a name registered to another class, unless asked to replace it."""
+    if replace:
+        return
+    existing = _all_entries().get(name)
+    if existing is not None and existing.target != target:
+        raise EnvRegistryError(f"environment name {name!r} is already registered ({existing.source}: {existing.target}); "
+                               f"pass replace=True (`rl env register --replace`) to replace it")
+
+
+def register_env(cls: type[Environment] | None = None, *, name: str | None = None, replace: bool = False,
+                 **defaults: Any) -> Any:
+    """Decorator: `@register_env` or `@register_env(name="x", kind="toy")` (defaults become make() kwargs).
+
+    A name registered to another class (built-ins included) is refused unless replace=True;
+    registering the same class again is a no-op."""
 
     def wrap(klass: type[Environment]) -> type[Environment]:
         _check_class(klass, f"{klass.__module__}.{klass.__qualname__}")
         env_name = name or klass.name
         if not env_name:
             raise ValueError(f"{klass.__qualname__} has no `name`; set the class attribute or pass name=")
-        _ENTRIES[env_name] = _Entry(env_name, lambda: klass, "decorator", f"{klass.__module__}:{klass.__qualname__}", dict(defaults))
+        target = f"{klass.__module__}:{klass.__qualname__}"
+        _refuse_taken(env_name, target, replace)
+        _ENTRIES[env_name] = _Entry(env_name, lambda: klass, "decorator", target, dict(defaults))
         return klass
 
     return wrap(cls) if cls is not None else wrap
 
 
-def unregister(name: str) -> None:
-    """Forget a decorator or file registration (files are also removed from registry.json)."""
+def unregister(name: str) -> str:
+    """Forget a decorator or file registration (files are also removed from registry.json) and
+    its recorded checks; returns where it pointed. Built-ins and entry points cannot be removed."""
+    entries = _all_entries()
+    if name not in entries:
+        raise EnvRegistryError(f"unknown environment {name!r}; registered: {', '.join(sorted(entries))}")
+    entry = entries[name]
+    if entry.source == "builtin":
+        raise EnvRegistryError(f"{name!r} is a built-in environment and cannot be unregistered")
+    if entry.source == "entry_point":
+        raise EnvRegistryError(f"{name!r} comes from an installed package's entry point ({entry.target}); "
+                               f"uninstall the package to remove it")
     _ENTRIES.pop(name, None)
-    files = _read_json(registry_dir() / "registry.json")
-    if name in files:
-        del files[name]
-        _write_json(registry_dir() / "registry.json", files)
+    for file in ("registry.json", "checks.json"):
+        data = _read_json(registry_dir() / file)
+        if name in data:
+            del data[name]
+            _write_json(registry_dir() / file, data)
+    return entry.target
 
 
 def load_file_class(spec: str) -> type[Environment]:
@@ -127,34 +197,33 @@ def load_file_class(spec: str) -> type[Environment]:
         except Exception:
             del sys.modules[mod_name]
             raise
-        try:  # Ray workers cannot import this synthetic module: ship its classes by value
-            from ray import cloudpickle
-
-            cloudpickle.register_pickle_by_value(module)
-        except Exception:  # noqa: BLE001 - only needed for the Ray grader pool
-            pass
+        _ship_by_value(module)
     if not hasattr(module, cls_name):
         raise AttributeError(f"{path} has no class {cls_name!r}")
     return _check_class(getattr(module, cls_name), spec)
 
 
-def register_file(spec: str, name: str | None = None) -> str:
-    """Register a local environment file persistently; returns the environment name."""
+def register_file(spec: str, name: str | None = None, replace: bool = False) -> str:
+    """Register a local environment file persistently; returns the environment name.
+
+    A name registered to another class (built-ins included) is refused unless replace=True."""
     cls = load_file_class(spec)
     env_name = name or cls.name
     if not env_name:
         raise ValueError(f"{spec}: the class has no `name`; set it or pass a name")
     path_str, _, cls_name = spec.rpartition(":")
     target = f"{Path(path_str).expanduser().resolve()}:{cls_name}"
+    _refuse_taken(env_name, target, replace)
     files = _read_json(registry_dir() / "registry.json")
     files[env_name] = {"target": target}
     _write_json(registry_dir() / "registry.json", files)
-    _ENTRIES[env_name] = _Entry(env_name, lambda: load_file_class(target), "file", target)
+    _ENTRIES.pop(env_name, None)  # a decorator registration under this name is replaced too
     return env_name
 
 
 def _all_entries() -> dict[str, _Entry]:
-    """Built-ins, then entry points, then files, then decorators (later ones win on a name clash)."""
+    """Built-ins, then entry points, then files, then decorators (later ones win on a name clash,
+    which only `replace=True` can create)."""
     entries: dict[str, _Entry] = {}
     for name, target, defaults in _BUILTINS:
         entries[name] = _Entry(name, _import_target(target), "builtin", target, defaults)
@@ -178,43 +247,96 @@ def get_entry(name: str) -> _Entry:
     return entries[name]
 
 
-def make(name: str, **kwargs: Any) -> Environment:
-    """Build a registered environment; kwargs override the registration's defaults."""
+def resolve(name: str, kwargs: dict[str, Any] | None = None) -> EnvRecipe:
+    """Load a registered environment's class here and return a picklable recipe to build it."""
     entry = get_entry(name)
     cls = entry.load()
-    env = cls(**{**entry.defaults, **kwargs})
-    if env.name != name:  # presets and renamed registrations report the name they were made under
-        env.name = name
-    return env
+    module = sys.modules.get(cls.__module__)
+    if entry.source == "decorator" and module is not None:
+        _ship_by_value(module)
+    return EnvRecipe(name, cls, {**entry.defaults, **(kwargs or {})})
+
+
+def make(name: str, **kwargs: Any) -> Environment:
+    """Build a registered environment; kwargs override the registration's defaults."""
+    return resolve(name, kwargs).make()
+
+
+def check_names(names: Sequence[str], where: str = "envs") -> None:
+    """For a run config, before anything starts: every name is registered and its class loads.
+
+    Raises EnvRegistryError with one line naming the entry (`where[i]`), a close match, and
+    for a class that does not load, where it lives and the error."""
+    entries = _all_entries()
+    for i, name in enumerate(names):
+        if name not in entries:
+            close = difflib.get_close_matches(name, list(entries), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise EnvRegistryError(f"unknown environment {name!r} in {where}[{i}]{hint} "
+                                   f"registered: {', '.join(sorted(entries))}")
+        entry = entries[name]
+        try:
+            entry.load()
+        except Exception as exc:  # noqa: BLE001 - any import error becomes the one-line message
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise EnvRegistryError(f"environment {name!r} in {where}[{i}] cannot be loaded from {entry.target}: "
+                                   f"{type(exc).__name__}: {detail}") from None
+
+
+def class_version(cls: type) -> str:
+    """A fingerprint of an environment class: its name and the source of every module in its
+    MRO, so editing the class, a base class or their modules gives a new version."""
+    digest = hashlib.sha256(f"{cls.__module__}:{cls.__qualname__}".encode())
+    for klass in cls.__mro__:
+        module = sys.modules.get(klass.__module__)
+        path = getattr(module, "__file__", None)
+        if path and os.path.isfile(path):
+            digest.update(Path(path).read_bytes())
+    return f"{cls.__qualname__}@{digest.hexdigest()[:12]}"
 
 
 def list_envs(sizes: bool = True) -> list[EnvSpec]:
-    """Every registered environment with domain, tools, dataset sizes (default kwargs) and last check."""
+    """Every registered environment with domain, tools, dataset sizes (default kwargs) and the
+    last check of its current class version."""
     checks = _read_json(registry_dir() / "checks.json")
     out = []
     for name, entry in sorted(_all_entries().items()):
-        spec = EnvSpec(name=name, domain="?", tools=[], dataset_sizes=None, last_check=checks.get(name),
+        spec = EnvSpec(name=name, domain="?", tools=[], dataset_sizes=None, last_check=None,
                        source=entry.source, target=entry.target, defaults=entry.defaults)
         try:
+            cls = entry.load()
+            spec.domain, spec.class_version = cls.domain, class_version(cls)
+            by_version = _versioned(checks.get(name))
+            spec.last_check = by_version.get(spec.class_version)
+            spec.older_checks = len(by_version) - (spec.last_check is not None)
             if sizes:
                 env = make(name)
                 spec.domain, spec.tools = env.domain, [t["function"]["name"] for t in env.tools]
                 spec.dataset_sizes = {s: len(env.dataset(s)) for s in ("train", "heldout")}
                 env.close()
-            else:
-                cls = entry.load()
-                spec.domain = cls.domain
         except Exception as exc:  # noqa: BLE001 - one broken env must not hide the others
             spec.error = f"{type(exc).__name__}: {exc}"
         out.append(spec)
     return out
 
 
+def _versioned(record: Any) -> dict[str, dict[str, Any]]:
+    """checks.json keeps {name: {class version: verdict}}; a verdict from before versions had no key."""
+    if not isinstance(record, dict) or "ok" in record:
+        return {}
+    return record
+
+
 def record_check(name: str, report: dict[str, Any]) -> None:
-    """Remember the gate's verdict so `list` can show it."""
+    """Remember the gate's verdict for this class version so `list` can show it."""
+    version = report.get("class_version")
+    if not version:
+        return
     checks = _read_json(registry_dir() / "checks.json")
-    checks[name] = {"ok": report.get("ok"), "reasons": report.get("reasons", []), "tasks": report.get("tasks"),
-                    "env_kwargs": report.get("env_kwargs", {}), "checked_at": report.get("checked_at", time.time())}
+    by_version = _versioned(checks.get(name))
+    by_version[version] = {"ok": report.get("ok"), "reasons": report.get("reasons", []), "tasks": report.get("tasks"),
+                           "env_kwargs": report.get("env_kwargs", {}), "checked_at": report.get("checked_at", time.time())}
+    checks[name] = by_version
     _write_json(registry_dir() / "checks.json", checks)
 
 

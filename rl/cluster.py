@@ -113,9 +113,11 @@ def env_worker_name(run_id: str, index: int) -> str:
 def start_env_side(cfg: RunConfig, run_id: str) -> list:
     """The environment workers (each owns its grader pool): needed before the policy exists
     (reference episodes train the tokenizer and feed the warm-up)."""
+    from envs.registry import resolve
     from rl.rollout.env_worker import EnvWorker
 
-    env_specs = {e.name: env_kwargs(cfg, e.name) for e in cfg.envs}
+    # resolved here: a class registered in this process (a decorator) reaches the workers by value
+    env_specs = {e.name: resolve(e.name, env_kwargs(cfg, e.name)) for e in cfg.envs}
     grading = {"num_actors": cfg.grader.num_workers, "timeout_s": cfg.grader.timeout_s, "retries": cfg.grader.retries}
     # threaded: many rollout workers' episodes at once, one slow tool call never stalls the others
     return [

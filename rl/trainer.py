@@ -11,10 +11,12 @@ from typing import Any
 
 import ray
 
+from envs.registry import EnvRegistryError, check_names
 from rl.cluster import RunActors, env_kwargs, model_spec, start_env_side, start_policy_side, start_ray
-from rl.config import RunConfig, dump_config, load_config
+from rl.config import ConfigError, RunConfig, dump_config, load_config
 from rl.errors import RunRefused
 from rl.evaluation import effort_table, eval_table, summarise_eval
+from rl.hack_monitor import HackMonitor, responses_from_records
 from rl.metrics import MetricsLogger
 from rl.progress import StepProgress
 from rl.rollout.layout import episode_texts, reference_example
@@ -226,6 +228,7 @@ class Trainer:
                    f"{cfg.rollout.group_size} a step, max_staleness {cfg.rollout.max_staleness}")
         busy = _EngineClock(actors.rollout_workers)
         health = _EnvHealth(actors.env_workers)
+        hacks = HackMonitor()  # its history starts again on resume: a flag needs 2 windows of this process
         with progress:
             for step in range(start_step, cfg.train.steps):
                 t0 = time.monotonic()
@@ -248,6 +251,10 @@ class Trainer:
                     "weights/version": float(step + 1),
                     **health.metrics(),
                 })
+                hack_metrics, hack_warnings = hacks.observe(step, responses_from_records(report.records))
+                metrics.update(hack_metrics)
+                for line in hack_warnings:
+                    self.say(line)
                 logger.log(step, metrics)
                 append_jsonl(self.run_dir / "rollouts.jsonl", report.records)
                 if trained["moe_load"]:
@@ -341,6 +348,10 @@ def train(config_path: str | None, overrides: list[str], resume: str | None = No
         if cfg.model.hf_path and not (Path(cfg.model.hf_path) / "config.json").exists():
             raise RunRefused(f"model.hf_path: no config.json in {cfg.model.hf_path} "
                              f"(for SmolLM2, convert it once: rl model import smollm2)")
+        try:  # a misspelt name, or a class that no longer imports: one line, before anything starts
+            check_names([e.name for e in cfg.envs])
+        except EnvRegistryError as exc:
+            raise ConfigError(f"config error: {exc}") from None
         run_dir = new_run_dir(cfg)
     dump_config(cfg, run_dir / "config.yaml")
     if console is not None:

@@ -44,7 +44,7 @@ class CodeGrader(Grader):
     solution that exits early with status 0 does not pass.
     """
 
-    version = "1"
+    version = "2"
     timeout_s = 60.0
 
     def __init__(self, sandbox_backend: str = "auto", exec_timeout_s: float = 10.0) -> None:
@@ -55,6 +55,9 @@ class CodeGrader(Grader):
         code = payload.get("code") or ""
         if not code.strip():
             return Grade(reward=0.0, passed=False, grader_version="", details={"reason": "no code in the response"})
+        if not re.search(rf"\b{re.escape(payload['entry_point'])}\b", code):  # it cannot define it: no sandbox needed
+            return Grade(reward=0.0, passed=False, grader_version="",
+                         details={"reason": f"the code never names {payload['entry_point']}"})
         nonce = secrets.token_hex(8)
         files = {"solution.py": code, "tests.py": payload["tests"], "harness.py": _HARNESS}
         r = run_in_fresh_sandbox(self.sandbox_backend, files, ["python3", "harness.py", payload["entry_point"]],
@@ -138,6 +141,7 @@ class CodeEnv(Environment):
     name = "code"
     domain = "code"
     max_turns = 1
+    single_answer = False  # many programs pass the same tests: near misses that pass are reported
 
     def __init__(self, kind: str = "toy", n_train: int = 400, n_heldout: int = 100, seed: int = 0,
                  exec_timeout_s: float = 10.0, **kwargs: Any) -> None:

@@ -51,13 +51,11 @@ def _failed(error: str) -> Grade:
 
 
 class EnvWorker:
-    def __init__(self, env_specs: dict[str, dict[str, Any]], grading: dict[str, Any], run_name: str,
+    def __init__(self, env_specs: dict[str, Any], grading: dict[str, Any], run_name: str,
                  sandbox_backend: str = "auto", warm_sandboxes: int = 8) -> None:
-        import envs
         from envs.grading import GraderPool
 
-        self._envs = envs
-        self.env_specs = env_specs
+        self.env_specs = env_specs  # name -> envs.registry.EnvRecipe, resolved by the driver
         self.grader_pool = GraderPool(**grading)
         self.run_name = run_name
         self.sandbox_backend = sandbox_backend
@@ -69,7 +67,7 @@ class EnvWorker:
         self._sandbox_pool = None  # started on the first episode that needs a sandbox
         self.errors: dict[str, str] = {}  # episode id -> why its environment failed
         self.health = EnvHealth()
-        self._templates = {name: envs.make(name, **kwargs) for name, kwargs in env_specs.items()}
+        self._templates = {name: recipe.make() for name, recipe in env_specs.items()}
 
     def task_ids(self, env: str, split: str) -> list[str]:
         return list(self._templates[env].dataset(split)["task_id"])
@@ -89,7 +87,7 @@ class EnvWorker:
             idle = self._idle_envs[env_name]
             env = idle.pop() if idle else None
         if env is None:
-            env = self._envs.make(env_name, **self.env_specs[env_name])
+            env = self.env_specs[env_name].make()
         sandbox = None
         if env.needs_sandbox:  # the environment's own sandbox spec: image, limits, network, time
             sandbox = self._sandboxes().acquire(env.sandbox_spec, labels={"episode": episode_id})

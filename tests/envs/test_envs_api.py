@@ -6,6 +6,7 @@ import random
 import pytest
 
 import envs
+from envs.grading import LocalGrader
 from envs.toolcall import CLOSE, OPEN, check_arguments, format_tool_call, parse_turn
 
 
@@ -78,13 +79,37 @@ def test_episode_flow_with_malformed_and_unknown_tool_calls():
         env.step("more")
 
 
-def test_step_before_reset_and_grade_before_end_raise_clearly():
+def test_step_and_grade_before_reset_raise_clearly():
     env = envs.make("math")
     with pytest.raises(RuntimeError, match="before reset"):
         env.step("x")
-    env.reset(seed=0)
-    with pytest.raises(RuntimeError, match="finished episode"):
+    with pytest.raises(RuntimeError, match="needs an episode"):
         env.grade_request()
+
+
+def test_episode_cut_off_mid_tool_call_is_graded_as_truncated():
+    """The token budget ran out inside a tool call: the partial call is an error observation and the
+    episode is still running when the rollout worker asks for its grade (issue 9)."""
+    env = envs.make("lookup")
+    _, info = env.reset(seed=0)
+    partial = env.reference_actions(info["task_id"])[0][:25]  # '<|tool_call|>{"name": "se'
+    obs, _, terminated, truncated, _ = env.step(partial)
+    assert obs.startswith("error: malformed tool call") and not (terminated or truncated) and not env.done
+    request = env.grade_request()
+    assert env.done and request.payload["truncated"] is True and request.payload["response"] is None
+    grade = LocalGrader().grade(request)
+    assert grade.error is None and not grade.passed and grade.reward == 0.0
+
+
+def test_cut_off_shell_episode_is_graded_on_its_partial_state():
+    env = envs.make("shell", sandbox_backend="process")
+    _, info = env.reset(seed=0)
+    task = env.task(info["task_id"])
+    env.step(env.reference_actions(info["task_id"])[0])  # the file is written; the budget ends before "Done."
+    env.step('<|tool_call|>{"name": "bash", "argu')
+    grade = LocalGrader().grade(env.grade_request())
+    env.close()
+    assert grade.error is None and grade.passed, (task, grade)
 
 
 def test_effort_is_validated_and_recorded_in_the_grade_request():

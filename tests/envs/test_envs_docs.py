@@ -29,4 +29,5 @@ def test_guide_example_registers_and_passes_the_gate(tmp_path):
     assert len(env.dataset("train")) + len(env.dataset("heldout")) == 300
     report = check_env("word-count", {"sandbox_backend": "process"}, max_tasks=3, grader=LocalGrader())
     assert report["ok"], report["reasons"]
-    assert report["oracle_pass_rate"] == 1.0 and report["tasks"] == 3
+    assert report["oracle_pass_rate"] == 1.0 and report["splits"] == {"train": 3, "heldout": 3}
+    assert report["adversarial_pass_rate"] == 0.0 and "hedge/list" in report["adversarial"]  # its answer is graded

@@ -8,7 +8,8 @@ import pytest
 
 import envs
 from envs.domains.mathcheck import equivalent, extract_answer
-from envs.quality import NULL_ANSWER, reference_policy, run_episode
+from envs.adversaries import NULL_ANSWER
+from envs.gate_episodes import reference_policy, run_episode
 
 PROC = {"sandbox_backend": "process"}
 BUILTINS = [
@@ -21,7 +22,8 @@ BUILTINS = [
 
 def _play(env, task_id, actions):
     ep = run_episode(env, task_id, reference_policy(actions) if isinstance(actions, list) else actions)
-    return env.grader(ep["request"].payload)
+    assert ep.error is None, ep.error
+    return env.grader(ep.request.payload)
 
 
 @pytest.mark.parametrize("name, kwargs", BUILTINS, ids=[f"{n}-{k.get('kind', '')}" for n, k in BUILTINS])

@@ -79,6 +79,39 @@ def test_pool_grade_many_runs_on_several_actors(pool):
     assert [g.passed for g in grades] == [i % 2 == 0 for i in range(8)]
 
 
+def test_pool_grade_many_batches_and_a_bad_request_gets_its_own_error(pool):
+    """Requests go to the actors in chunks; a chunk with a hung (or crashed) grader is graded again
+    one request at a time, so only the bad request fails."""
+    counting = CountingGrader()
+    counting.timeout_s = 2.0  # a chunk waits for its slowest grader's timeout before it is split up
+    reqs = [_req(counting, x=i) for i in range(5)] + [_req(SleepyGrader())] + [_req(counting, x=i) for i in range(5, 9)]
+    grades = pool.grade_many(reqs, use_cache=False)
+    assert [g.passed for g in grades[:5] + grades[6:]] == [i % 2 == 0 for i in range(9)]
+    assert all(g.error is None for g in grades[:5] + grades[6:])
+    assert grades[5].error.startswith("grader timed out") and "attempt 2" in grades[5].error
+
+
+def _stops(grades):
+    skipped = [g for g in grades if g.details.get("skipped")]
+    assert skipped and all(g.error == "not graded: an earlier grade timed out" and not g.passed for g in skipped)
+    return skipped
+
+
+def test_local_grade_many_can_stop_after_a_timeout():
+    reqs = [_req(SleepyGrader())] + [_req(CountingGrader(), x=2 * i) for i in range(10)]
+    grades = LocalGrader(timeout_s=0.5, parallelism=1).grade_many(reqs, use_cache=False, stop_on_timeout=True)
+    assert grades[0].error.startswith("grader timed out") and len(_stops(grades)) >= 9  # one may have started
+    assert all(g.passed for g in LocalGrader().grade_many(reqs[1:], use_cache=False, stop_on_timeout=True))
+
+
+def test_pool_grade_many_can_stop_after_a_timeout(pool):
+    """40 hanging requests cost a few timeouts, not 40."""
+    t0 = time.monotonic()
+    grades = pool.grade_many([_req(SleepyGrader(), n=i) for i in range(40)], use_cache=False, stop_on_timeout=True)
+    assert time.monotonic() - t0 < 120  # each timeout also restarts an actor
+    assert len(_stops(grades)) >= 30 and all(g.error.startswith("grader timed out") for g in grades if not g.details.get("skipped"))
+
+
 def test_pool_grades_env_requests(pool):
     env = envs.make("lookup")
     _, info = env.reset(seed=0)

@@ -1,9 +1,10 @@
-"""HumanEval: every one of the 164 canonical solutions passes its tests in the sandbox."""
+"""HumanEval: all 164 problems pass the quality gate (canonical solutions pass in the sandbox, cheats do not)."""
 from __future__ import annotations
 
 import envs
 from envs.grades import GradeRequest
 from envs.grading import LocalGrader
+from envs.quality import check_env
 
 
 def _requests(env, solution_for):
@@ -15,13 +16,14 @@ def _requests(env, solution_for):
     return reqs
 
 
-def test_all_164_canonical_solutions_pass_in_the_sandbox():
-    env = envs.make("humaneval", sandbox_backend="process")
-    reqs = _requests(env, lambda t: env.reference_actions_for(t)[0])
-    assert len(reqs) == 164 and len({r.task_id for r in reqs}) == 164
-    grades = LocalGrader(timeout_s=60, parallelism=3).grade_many(reqs, use_cache=False)  # 3 sandboxes at a time
-    failed = [(r.task_id, g.error, g.details.get("stderr_tail")) for r, g in zip(reqs, grades) if not g.passed]
-    assert not failed, failed[:3]
+def test_humaneval_passes_the_gate_on_all_164_problems():
+    """Every split, every problem: the canonical solutions pass, no adversary does (one replay each:
+    the graders' consistency is still checked by regrading)."""
+    report = check_env("humaneval", {"sandbox_backend": "process"}, replays=1, record=False,
+                       grader=LocalGrader(timeout_s=60, parallelism=3))  # 3 sandboxes at a time
+    assert report["ok"], report["reasons"]
+    assert report["tasks"] == 164 and sum(report["splits"].values()) == 164 and report["oracle_pass_rate"] == 1.0
+    assert report["consistency"]["regraded"] > 0 and report["adversarial_pass_rate"] == 0.0
 
 
 def test_wrong_humaneval_solutions_fail():

@@ -181,6 +181,7 @@ def test_synchronous_runs_with_one_seed_are_identical(tmp_path, ray_session):
         runs.append(only_run(tmp_path / name))
     first, second = runs
     assert comparable_metrics(first) == comparable_metrics(second)
+    assert "hack/math/distinct_answers" in read_metrics(first)[-1]  # the reward-hacking monitor watches each step
     samples = [[{k: r[k] for k in ("uid", "reward", "transcript", "trained")}
                 for r in map(json.loads, (d / "rollouts.jsonl").read_text().splitlines())] for d in runs]
     assert samples[0] == samples[1] and len(samples[0]) >= 16
