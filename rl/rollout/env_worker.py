@@ -7,6 +7,7 @@ can mean generating its dataset); sandboxes never are: each episode takes a fres
 that keeps some warm."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ def _failed(error: str) -> Grade:
 
 class EnvWorker:
     def __init__(self, env_specs: dict[str, Any], grading: dict[str, Any], run_name: str,
-                 sandbox_backend: str = "auto", warm_sandboxes: int = 8) -> None:
+                 sandbox_backend: str = "auto", warm_sandboxes: int = 8, max_sandboxes: int = 64) -> None:
         from envs.grading import GraderPool
 
         self.env_specs = env_specs  # name -> envs.registry.EnvRecipe, resolved by the driver
@@ -60,7 +61,11 @@ class EnvWorker:
         self.run_name = run_name
         self.sandbox_backend = sandbox_backend
         self.warm_sandboxes = warm_sandboxes
+        self.max_sandboxes = max(max_sandboxes, warm_sandboxes)
         self._lock = threading.Lock()  # guards the bookkeeping below (calls arrive on many threads)
+        # A group takes its sandboxes one group at a time: groups that each held part of what they
+        # need while waiting for the rest could fill the pool and wait on each other forever.
+        self._opening = threading.Lock()
         self.episodes: dict[str, tuple[str, Any]] = {}  # episode id -> (environment name, instance)
         self.sandboxes: dict[str, Any] = {}
         self._idle_envs: dict[str, list[Any]] = {name: [] for name in env_specs}
@@ -78,7 +83,7 @@ class EnvWorker:
                 from sandbox import SandboxPools
 
                 self._sandbox_pool = SandboxPools(backend=self.sandbox_backend, warm=self.warm_sandboxes,
-                                                  max_live=max(64, 4 * self.warm_sandboxes),
+                                                  max_live=self.max_sandboxes,
                                                   labels={"run": self.run_name})
             return self._sandbox_pool
 
@@ -100,12 +105,13 @@ class EnvWorker:
     def reset_group(self, item: WorkItem, episode_ids: list[str]) -> EpisodeStart:
         """Start one episode per id on the same task; all members see the same first observation."""
         messages = None
-        for eid in episode_ids:
-            env, sandbox = self._open(item.env, eid)
+        template = self._templates[item.env]
+        with self._opening if template.needs_sandbox else contextlib.nullcontext():
+            opened = [self._open(item.env, eid) for eid in episode_ids]
+        for env, sandbox in opened:
             obs, _ = env.reset(seed=item.seed, options={"task_id": item.task_id, "effort": item.effort,
                                                         "sandbox": sandbox})
             messages = messages or obs
-        template = self._templates[item.env]
         return EpisodeStart(messages, template.domain, template.max_turns)
 
     def step(self, episode_id: str, text: str) -> StepReply:
