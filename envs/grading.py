@@ -98,8 +98,20 @@ class _GradingService:
         results: list[Grade | None] = [None] * len(reqs)
         if not reqs:
             return []
+        stopped = threading.Event()
+
+        def grade_one(req: GradeRequest) -> Grade:
+            # checked by the worker itself: a freed worker must not start the next request before
+            # the loop below has had the chance to cancel it
+            if stopped.is_set():
+                return _skipped(req)
+            grade = self._grade_uncached(req)
+            if stop_on_timeout and timed_out(grade):
+                stopped.set()
+            return grade
+
         with ThreadPoolExecutor(max_workers=max(1, min(len(reqs), self._parallelism()))) as ex:
-            pending = {ex.submit(self._grade_uncached, r): i for i, r in enumerate(reqs)}
+            pending = {ex.submit(grade_one, r): i for i, r in enumerate(reqs)}
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in done:

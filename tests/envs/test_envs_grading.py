@@ -100,7 +100,8 @@ def _stops(grades):
 def test_local_grade_many_can_stop_after_a_timeout():
     reqs = [_req(SleepyGrader())] + [_req(CountingGrader(), x=2 * i) for i in range(10)]
     grades = LocalGrader(timeout_s=0.5, parallelism=1).grade_many(reqs, use_cache=False, stop_on_timeout=True)
-    assert grades[0].error.startswith("grader timed out") and len(_stops(grades)) >= 9  # one may have started
+    # one worker: it sees the timeout before it would take the next request, so none of the rest starts
+    assert grades[0].error.startswith("grader timed out") and len(_stops(grades)) == 10
     assert all(g.passed for g in LocalGrader().grade_many(reqs[1:], use_cache=False, stop_on_timeout=True))
 
 
