@@ -203,3 +203,28 @@ def test_top_p_samples_only_from_the_nucleus_and_reports_its_logprob():
     greedy, lp = sample_tokens(logits[:1], torch.zeros(1), torch.ones(1), torch.zeros(1), torch.zeros(1))
     assert greedy.item() == 0 and lp.item() == 0.0
     assert processed_logprobs(logits[:1], torch.ones(1), torch.full((1,), 0.7))[0, 2] == float("-inf")
+
+
+def test_weights_updated_mid_turn_label_each_token_with_the_version_that_sampled_it(model):
+    """Partial rollout: the turn goes on under the new weights; tokens before the update carry the
+    old version, those after it the new one."""
+    import copy
+
+    mine = copy.deepcopy(model)
+    newer = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in mine.state_dict().items()}
+    e = engine(mine)
+
+    async def run():
+        await e.start_group(["s/0"], list(range(10, 20)))
+        turn = asyncio.ensure_future(e.generate("s/0", [], SamplingParams(max_new_tokens=300, temperature=1.0,
+                                                                          stop_ids=frozenset(), seed=1)))
+        while e.stats().generated_tokens < 5:
+            await asyncio.sleep(0.001)
+        await e.update_weights(newer, version=4)
+        out = await turn
+        await e.finish("s/0")
+        return out
+
+    out = asyncio.run(run())
+    assert out.versions == sorted(out.versions) and out.versions[0] == 3 and out.versions[-1] == 4
+    assert 5 <= out.versions.count(3) < 300 and len(out.versions) == len(out.tokens) == 300
