@@ -227,7 +227,9 @@ class Learner:
         from policy import save_policy
 
         state = {**client_state, "optimizer_steps": self.optimizer_steps, "policy_version": self.policy_version}
-        self.engine.save_checkpoint(directory, tag=tag, client_state=state)
+        # no `latest` from DeepSpeed: the trainer writes it once the whole checkpoint (policy export,
+        # tokenizer, scheduler state) is on disk, so a run killed mid-save resumes from the one before
+        self.engine.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
         save_policy(self.engine.module, str(Path(directory) / tag / "hf"))
 
     def load(self, directory: str, tag: str) -> dict[str, Any]:
