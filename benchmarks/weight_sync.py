@@ -39,12 +39,18 @@ def build_state(preset: str | None, nbytes: int | None, dtype: torch.dtype, seed
     return holder
 
 
+def actor_device(kind: str) -> torch.device:
+    """The benchmark actor's device: its one visible GPU (made current), or the CPU."""
+    if kind == "cuda":
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
 @ray.remote
 class Sender:
     def __init__(self, preset, nbytes, dtype, device) -> None:
-        self.device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-        if device == "cuda":
-            torch.cuda.set_device(0)
+        self.device = actor_device(device)
         self.model = build_state(preset, nbytes, dtype, 0).to(self.device)
 
     def nbytes(self) -> int:
@@ -89,9 +95,7 @@ class Sender:
 @ray.remote
 class Receiver:
     def __init__(self, preset, nbytes, dtype, device) -> None:
-        self.device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-        if device == "cuda":
-            torch.cuda.set_device(0)
+        self.device = actor_device(device)
         self.model = build_state(preset, nbytes, dtype, 1).to(self.device)
         self.version = -1
 

@@ -15,7 +15,7 @@ import copy
 import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 from envs.grades import Grade, Grader, GradeRequest
@@ -94,16 +94,14 @@ class _GradingService:
         return out  # type: ignore[return-value]
 
     def _grade_list(self, reqs: list[GradeRequest], stop_on_timeout: bool) -> list[Grade]:
-        """Uncached grades, `_parallelism()` at a time."""
-        results: list[Grade | None] = [None] * len(reqs)
+        """Uncached grades, `_parallelism()` at a time. With stop_on_timeout, once a grader has
+        timed out, requests no worker has started yet are skipped (those running finish)."""
         if not reqs:
             return []
         stopped = threading.Event()
 
         def grade_one(req: GradeRequest) -> Grade:
-            # checked by the worker itself: a freed worker must not start the next request before
-            # the loop below has had the chance to cancel it
-            if stopped.is_set():
+            if stopped.is_set():  # checked by the worker as it takes the request: none starts after it
                 return _skipped(req)
             grade = self._grade_uncached(req)
             if stop_on_timeout and timed_out(grade):
@@ -111,15 +109,7 @@ class _GradingService:
             return grade
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(reqs), self._parallelism()))) as ex:
-            pending = {ex.submit(grade_one, r): i for i, r in enumerate(reqs)}
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    results[pending.pop(fut)] = grade = fut.result()
-                    if stop_on_timeout and timed_out(grade):
-                        for other in [f for f in pending if f.cancel()]:  # not started: never will be
-                            pending.pop(other)
-        return [g if g is not None else _skipped(r) for g, r in zip(results, reqs)]
+            return list(ex.map(grade_one, reqs))
 
     async def agrade(self, req: GradeRequest, use_cache: bool = True) -> Grade:
         return await asyncio.to_thread(self.grade, req, use_cache)
