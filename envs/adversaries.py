@@ -275,7 +275,8 @@ class Hedge(Adversary):
 class NearMiss(Adversary):
     """The reference answer perturbed: off by one, wrong sign, truncated, with extra text. Each
     must fail where a task has one right answer; elsewhere (`single_answer = False`) a pass is
-    reported, not failed."""
+    reported, not failed, and so is extra text where the answer is read out of prose
+    (`answer_in_prose = True`)."""
 
     name = "near_miss"
 
@@ -284,9 +285,13 @@ class NearMiss(Adversary):
             return []
         strict = probe.env.single_answer
         note = "" if strict else f"{probe.env.name} accepts several answers (single_answer=False): reported, not failed"
-        return [Attempt(label, probe.then_answer(probe.answering(wrong)), must_fail=strict,
-                        note=note or f"{clip(probe.gold)!r} -> {clip(wrong)!r}")
-                for label, wrong in near_misses(probe.gold).items()]
+        prose = f"{probe.env.name} reads its answer out of prose (answer_in_prose=True): reported, not failed"
+        out = []
+        for label, wrong in near_misses(probe.gold).items():
+            lenient = label == "extra_text" and probe.env.answer_in_prose
+            out.append(Attempt(label, probe.then_answer(probe.answering(wrong)), must_fail=strict and not lenient,
+                               note=(prose if lenient else note) or f"{clip(probe.gold)!r} -> {clip(wrong)!r}"))
+        return out
 
 
 def near_misses(gold: str) -> dict[str, str]:

@@ -80,6 +80,9 @@ class Environment:
     # accepts a near miss of the reference answer. Set False where tasks accept several answers
     # (programs, free text): near misses that pass are then reported, not failed.
     single_answer: bool = True
+    # The grader reads the answer out of free prose (a chat model's own style): words after the
+    # answer are expected, so the gate reports rather than fails an answer with text appended.
+    answer_in_prose: bool = False
 
     def __init__(self, sandbox_backend: str = "auto", max_turns: int | None = None,
                  sandbox: SandboxSpec | Mapping[str, Any] | None = None) -> None:

@@ -17,9 +17,13 @@ KINDS = ("arithmetic", "fractions", "word")
 ANSWER_STYLES = ("marker", "last_number")
 
 
-def last_number(text: str | None) -> str | None:
-    """The last number in a response: how small chat models answer ("17 + 25 = 42")."""
-    found = re.findall(r"-?\d+(?:\.\d+)?(?:/\d+)?", (text or "").replace(",", ""))
+def last_number(text: str | None, question: str = "") -> str | None:
+    """The last number in a response: how small chat models answer ("17 + 25 = 42"). The question
+    restated in the response is skipped: echoing "What is 0 + 5?" must not answer 5."""
+    text = text or ""
+    if question.strip():
+        text = text.replace(question.strip(), " ")
+    found = re.findall(r"-?\d+(?:\.\d+)?(?:/\d+)?", text.replace(",", ""))
     return found[-1] if found else None
 
 
@@ -31,11 +35,13 @@ class MathGrader(Grader):
         self.allow_expressions = allow_expressions
         self.answer_style = answer_style
         if answer_style == "last_number":
-            self.version = "1-last-number"  # another scoring: another version (no cache mix-up)
+            self.version = "2-last-number"  # another scoring: another version (no cache mix-up)
 
     def score(self, payload: dict[str, Any]) -> Grade:
-        extract = last_number if self.answer_style == "last_number" else extract_answer
-        pred = extract(payload.get("response"))
+        if self.answer_style == "last_number":
+            pred = last_number(payload.get("response"), payload.get("question", ""))
+        else:
+            pred = extract_answer(payload.get("response"))
         ok = equivalent(pred, str(payload["gold"]), allow_expressions=self.allow_expressions)
         return Grade(reward=1.0 if ok else 0.0, passed=ok, grader_version="", details={"extracted": pred})
 
@@ -138,6 +144,7 @@ class MathEnv(Environment):
         self.allow_expressions, self.answer_style = allow_expressions, answer_style
         if answer_style == "last_number":
             self.system_prompt = "Solve the problem."
+            self.answer_in_prose = True  # "6, because ..." is the style, not a near miss
         super().__init__(**kwargs)
 
     def make_grader(self) -> Grader:
@@ -171,4 +178,4 @@ class MathEnv(Environment):
         return [f"The answer is {task['answer']}."]
 
     def grade_payload(self, task: dict[str, Any], final_answer: str | None) -> dict[str, Any]:
-        return {"response": final_answer, "gold": str(task["answer"])}
+        return {"response": final_answer, "gold": str(task["answer"]), "question": task["question"]}

@@ -156,6 +156,18 @@ def test_near_misses_fail_where_one_answer_is_right_and_are_reported_elsewhere()
                for r in lenient["reported"])
 
 
+def test_math_read_out_of_prose_passes_the_gate_with_trailing_text_reported():
+    # operands from 0: some tasks are "a + 0" or "0 + b", where echoing the question once passed
+    report = _check("math", {"answer_style": "last_number", "max_operand": 3, "ops": "+", "n_train": 12,
+                             "n_heldout": 4}, max_tasks=8)
+    assert report["ok"], report["reasons"]
+    assert any(r.startswith("adversary 'near_miss/extra_text' passed") and "answer_in_prose" in r
+               for r in report["reported"])
+    grader = envs.make("math", answer_style="last_number").grader
+    assert grader({"response": "What is 0 + 5?", "gold": "5", "question": "What is 0 + 5?"}).reward == 0.0
+    assert grader({"response": "0 + 5 = 5", "gold": "5", "question": "What is 0 + 5?"}).reward == 1.0
+
+
 @pytest.mark.parametrize("cls, start", [
     (TruncationPassesEnv, "adversary 'tool_abuse/repeated_call' passed 4/4"),
     (UnboundedToolEnv, "unbounded tool output: 4 time(s) (e.g. 'tool_abuse/huge_output' got a 200"),
