@@ -143,6 +143,13 @@ class Environment:
             raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
         return self._get_splits()[split]
 
+    def share_tasks_of(self, other: "Environment") -> None:
+        """Use another instance's task set (same class and arguments) instead of building it again:
+        a worker holding one instance per live episode would otherwise build it once per instance."""
+        if type(other) is not type(self):
+            raise TypeError(f"share_tasks_of: {type(other).__name__} is not a {type(self).__name__}")
+        self._splits, self._index = other._get_splits(), other._get_index()
+
     def task(self, task_id: str) -> dict[str, Any]:
         index = self._get_index()
         if task_id not in index:

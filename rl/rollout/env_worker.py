@@ -66,6 +66,7 @@ class EnvWorker:
         # A group takes its sandboxes one group at a time: groups that each held part of what they
         # need while waiting for the rest could fill the pool and wait on each other forever.
         self._opening = threading.Lock()
+        self._building = threading.Lock()
         self.episodes: dict[str, tuple[str, Any]] = {}  # episode id -> (environment name, instance)
         self.sandboxes: dict[str, Any] = {}
         self._idle_envs: dict[str, list[Any]] = {name: [] for name in env_specs}
@@ -75,7 +76,8 @@ class EnvWorker:
         self._templates = {name: recipe.make() for name, recipe in env_specs.items()}
 
     def task_ids(self, env: str, split: str) -> list[str]:
-        return list(self._templates[env].dataset(split)["task_id"])
+        with self._building:
+            return list(self._templates[env].dataset(split)["task_id"])
 
     def _sandboxes(self):
         with self._lock:
@@ -93,6 +95,8 @@ class EnvWorker:
             env = idle.pop() if idle else None
         if env is None:
             env = self.env_specs[env_name].make()
+            with self._building:  # the first episode builds the task set once; the others wait for it
+                env.share_tasks_of(self._templates[env_name])
         sandbox = None
         if env.needs_sandbox:  # the environment's own sandbox spec: image, limits, network, time
             sandbox = self._sandboxes().acquire(env.sandbox_spec, labels={"episode": episode_id})

@@ -42,3 +42,37 @@ def test_groups_larger_than_the_free_sandboxes_all_open_in_turn(ray_session):
         assert worker.health_report().sandboxes_live <= 4
     finally:
         worker.close()
+
+
+def test_concurrent_episodes_build_the_task_set_once(ray_session, monkeypatch):
+    """Every live episode holds its own environment instance; they share the worker's task set.
+    Built per instance, 16 groups of 8 at once built it 128 times (minutes on a GPU machine)."""
+    from envs.domains.math import MathEnv
+
+    builds: list[int] = []
+    original = MathEnv.build_tasks
+    monkeypatch.setattr(MathEnv, "build_tasks", lambda self: builds.append(1) or original(self))
+    worker = EnvWorker({"math": resolve("math", {"n_train": 40, "n_heldout": 8})}, {"num_actors": 1}, "tasks-once")
+    task = worker.task_ids("math", "train")[0]
+    start = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def play(g: int) -> None:
+        item = WorkItem(f"g{g}", "math", task, "low", 4, seed=g, max_new_tokens=8, temperature=1.0, top_p=1.0)
+        try:
+            start.wait()
+            worker.reset_group(item, [f"{item.episode_prefix}/{m}" for m in range(4)])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=play, args=(g,), daemon=True) for g in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+        assert len(worker.episodes) == 32
+        assert len(builds) == 1, f"the task set was built {len(builds)} times for 32 episodes"
+    finally:
+        worker.close()
