@@ -14,6 +14,7 @@ import torch
 from policy.dtypes import device_precision, params_to
 from rl.config import TrainConfig
 from rl.grpo import LossConfig, accumulate_policy_gradient, collate, compute_advantages, policy_forward, split_rows
+from rl.learner_flops import active_parameters, flops_metrics, peak_flops, step_flops
 from rl.types import RolloutBatch, Sample
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class Learner:
             params_to(self.engine.module, torch.bfloat16)
         if self.reference is not None:
             self.reference = params_to(self.reference.to(self.device), device_precision(self.device))
+        self.active_params = active_parameters(self.engine.module)
+        self.peak_flops = peak_flops(self.device)
         self.optimizer_steps = 0
         self.policy_version = 0  # GRPO batches trained on (the weights' version label)
         self._last_train_end: float | None = None
@@ -220,6 +223,11 @@ class Learner:
         self.policy_version = batch.step + 1
         self._last_train_end = time.monotonic()
         metrics["time/learner_step_s"] = self._last_train_end - started
+        seq_tokens = int(full.token_mask.sum())  # every real token forwarded, prompt included (not padding)
+        extra = int(self.reference is not None) + int(full.prox_logprobs is not None)
+        metrics["train/seq_tokens"] = float(seq_tokens)
+        metrics.update(flops_metrics(step_flops(self.active_params, seq_tokens, extra),
+                                     metrics["time/learner_step_s"], self.peak_flops))
         return {"metrics": metrics, "moe_load": moe_load or None}
 
     # -- checkpoints -----------------------------------------------------------------------------

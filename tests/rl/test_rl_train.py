@@ -38,6 +38,13 @@ def only_run(tmp_path: Path) -> Path:
     return runs[0]
 
 
+def active_parameters_of(model_spec: dict) -> int:
+    from policy import build_policy
+    from policy.params import count_parameters
+
+    return count_parameters(build_policy(model_spec))["active"]
+
+
 def samples_by_step(run_dir: Path) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
@@ -59,6 +66,10 @@ def test_short_run_then_resume(tmp_path, ray_session):
         assert 0.0 <= m["rollout/reward"] <= 1.0
         assert m["rollout/tokens_per_s"] > 0 and m["async/staleness_max"] == 0 if m["rollout/trained_samples"] else True
         assert "rollout/effort/low/reward" in m or "rollout/effort/max/reward" in m or "rollout/effort/medium/reward" in m
+        if m["rollout/trained_samples"] and not m.get("train/skipped"):  # the learner's FLOPs rate: 6N per real token
+            flops = 6 * m["train/seq_tokens"] * active_parameters_of(TINY["model"]) / m["time/learner_step_s"]
+            assert m["train/model_tflops_per_s"] == pytest.approx(flops / 1e12, rel=1e-6)
+            assert "train/mfu" not in m  # no peak is known for a CPU
     assert (run_dir / "config.yaml").exists() and (run_dir / "eval_after.json").exists()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_2"
     assert (run_dir / "checkpoints" / "step_2" / "hf" / "config.json").exists()
@@ -166,7 +177,7 @@ def test_groups_whose_environment_raises_are_reported_and_left_out(tmp_path, ray
 def comparable_metrics(run_dir: Path) -> list[dict]:
     """Metrics without the ones that measure time or sample live resources (they differ between two runs
     of anything: how many sandboxes are open at the moment of logging depends on the clock)."""
-    timed = ("time/", "throughput/", "rollout/tokens_per_s", "env/sandbox_live")
+    timed = ("time/", "throughput/", "rollout/tokens_per_s", "env/sandbox_live", "train/model_tflops_per_s", "train/mfu")
     return [{k: v for k, v in m.items() if not k.startswith(timed)} for m in read_metrics(run_dir)]
 
 
