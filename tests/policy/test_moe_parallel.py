@@ -32,61 +32,87 @@ def _batch(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, real, routing
 
 
-def _train_step(model, ids, real, routing, n_targets: float, reduce_grads) -> dict[str, object]:
-    """One AdamW step on the token log-likelihood divided by the global target count. AdamW's first
-    step is lr * g / (|g| + eps): with the usual eps 1e-8 a gradient that is rounding noise around
-    0 moves its weight by about +-lr, so eps is large enough here for the step to follow g smoothly."""
+def _train_step(model, micro_batches, n_targets: float, reduce_grads) -> dict[str, object]:
+    """One AdamW step on the token log-likelihood divided by the global target count, accumulated
+    over micro-batches of (ids, real, routing). AdamW's first step is lr * g / (|g| + eps): with the
+    usual eps 1e-8 a gradient that is rounding noise around 0 moves its weight by about +-lr, so eps
+    is large enough here for the step to follow g smoothly."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
-    logp = model(ids, routing=routing, token_mask=real, return_token_logprobs=True).token_logprobs
-    loss = -(logp[:, 1:] * real[:, 1:]).sum() / n_targets
-    loss.backward()
+    loss = torch.zeros(())
+    for ids, real, routing in micro_batches:
+        logp = model(ids, routing=routing, token_mask=real, return_token_logprobs=True).token_logprobs
+        part = -(logp[:, 1:] * real[:, 1:]).sum() / n_targets
+        part.backward()
+        loss += part.detach()
     reduce_grads(model)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     stats = model.moe_statistics()
     optimizer.step()
     model.after_optimizer_step()
-    return {"loss": loss.detach(), "grads": grads, "stats": stats, "state": model.state_dict()}
+    return {"loss": loss, "grads": grads, "stats": stats, "state": model.state_dict()}
+
+
+def _model(cfg):
+    """The tiny model with MoE weights large enough that the routed experts move the loss (at the
+    usual init their output is a rounding error in the logits)."""
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".block_sparse_moe." in name and p.dim() > 1:
+                p.normal_(0, 0.5)
+    return model
 
 
 def _is_expert(name: str) -> bool:
     return ".experts.w" in name
 
 
+def _all_reduce_dense_grads(model) -> None:
+    """Data parallelism: the non-expert gradients summed over ranks (the loss is already divided by
+    the global count). Expert gradients are complete on their owner: the exchange brought every
+    rank's tokens to it."""
+    for name, p in model.named_parameters():
+        if not _is_expert(name):
+            dist.all_reduce(p.grad)
+
+
+def _close(actual, expected, name: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _check_balance_mode(rank: int, balance: str) -> None:
+    cfg = tiny(balance=balance, bias_update_rate=0.01)
+    batch = _batch(cfg)
+    n_targets = float(batch[1][:, 1:].sum())
+    halves = [tuple(t[r * B // WORLD:(r + 1) * B // WORLD] for t in batch) for r in range(WORLD)]
+    # One rank, all experts. "bias" sums loads: the whole batch in one forward. "quantile" averages
+    # a per-forward quantile: the same halves as micro-batches, as each rank's forward sees them.
+    one = _train_step(_model(cfg), [batch] if balance == "bias" else halves, n_targets, lambda m: None)
+
+    model = _model(cfg)
+    model.shard_experts(dist.group.WORLD)
+    ep = _train_step(model, [halves[rank]], n_targets, _all_reduce_dense_grads)
+    dist.all_reduce(ep["loss"])
+
+    n_local = cfg.num_experts // WORLD
+    mine = slice(rank * n_local, (rank + 1) * n_local)
+    _close(ep["loss"], one["loss"], "loss")
+    assert ep["stats"] == one["stats"], (ep["stats"], one["stats"])  # loads, replay agreement: all tokens
+    for name, grad in one["grads"].items():
+        _close(ep["grads"][name], grad[mine] if _is_expert(name) else grad, f"grad {name}")
+    for name, value in one["state"].items():  # weights and router biases after the step
+        _close(ep["state"][name], value[mine] if _is_expert(name) else value, name)
+    with pytest.raises(ValueError, match="already sharded"):
+        model.shard_experts(dist.group.WORLD)
+
+
 def _rank(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        cfg = tiny(bias_update_rate=0.01)
-        ids, real, routing = _batch(cfg)
-        n_targets = float(real[:, 1:].sum())
-        torch.manual_seed(0)
-        one = _train_step(build_model(cfg).train(), ids, real, routing, n_targets, lambda m: None)
-
-        def all_reduce_dense_grads(model) -> None:  # expert grads already hold every rank's tokens
-            for name, p in model.named_parameters():
-                if not _is_expert(name):
-                    dist.all_reduce(p.grad)
-
-        torch.manual_seed(0)
-        model = build_model(cfg).train()
-        model.shard_experts(dist.group.WORLD)
-        rows = slice(rank * B // WORLD, (rank + 1) * B // WORLD)
-        ep = _train_step(model, ids[rows], real[rows], routing[rows], n_targets, all_reduce_dense_grads)
-        dist.all_reduce(ep["loss"])
-
-        n_local = cfg.num_experts // WORLD
-        mine = slice(rank * n_local, (rank + 1) * n_local)
-        def close(actual, expected, name) -> None:
-            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-
-        close(ep["loss"], one["loss"], "loss")
-        assert ep["stats"] == one["stats"]  # loads and replay agreement over all ranks' tokens
-        for name, grad in one["grads"].items():
-            close(ep["grads"][name], grad[mine] if _is_expert(name) else grad, f"grad {name}")
-        for name, value in one["state"].items():
-            close(ep["state"][name], value[mine] if _is_expert(name) else value, name)
-        with pytest.raises(ValueError, match="already sharded"):
-            model.shard_experts(dist.group.WORLD)
+        for balance in ("bias", "quantile"):
+            _check_balance_mode(rank, balance)
         with pytest.raises(ValueError, match="num_experts 3 is not divisible by the group size 2"):
             build_model(tiny(num_experts=3)).shard_experts(dist.group.WORLD)
     finally:
