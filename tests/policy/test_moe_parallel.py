@@ -7,12 +7,14 @@ batch with all the experts.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from policy import build_model
+from policy import build_model, save_pretrained
 
 from _policy_tiny import tiny
 
@@ -81,7 +83,7 @@ def _close(actual, expected, name: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def _check_balance_mode(rank: int, balance: str) -> None:
+def _check_balance_mode(rank: int, balance: str, tmp_dir: Path) -> None:
     cfg = tiny(balance=balance, bias_update_rate=0.01)
     batch = _batch(cfg)
     n_targets = float(batch[1][:, 1:].sum())
@@ -105,6 +107,9 @@ def _check_balance_mode(rank: int, balance: str) -> None:
         _close(ep["state"][name], value[mine] if _is_expert(name) else value, name)
     with pytest.raises(ValueError, match="already sharded"):
         model.shard_experts(dist.group.WORLD)
+    with pytest.raises(ValueError, match="holds 2 of its 4 routed experts per layer"):
+        save_pretrained(model, tmp_dir / f"rank{rank}")
+    assert not (tmp_dir / f"rank{rank}").exists()
 
 
 def _rank(rank: int, init_file: str) -> None:
@@ -112,7 +117,7 @@ def _rank(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         for balance in ("bias", "quantile"):
-            _check_balance_mode(rank, balance)
+            _check_balance_mode(rank, balance, Path(init_file).parent)
         with pytest.raises(ValueError, match="num_experts 3 is not divisible by the group size 2"):
             build_model(tiny(num_experts=3)).shard_experts(dist.group.WORLD)
     finally:
