@@ -57,7 +57,8 @@ def expert_parallel(compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
     send = counts.view(ep, n_local).sum(1).tolist()  # split sizes are host ints: one sync per layer
     recv = recv_counts.sum(1).tolist()
     rows = all_to_all(zs, recv, send, group)  # source by source, each source's rows by expert
-    expert = torch.arange(n_local, device=counts.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+    block_expert = torch.arange(n_local, device=counts.device).repeat(ep)  # of each (source, expert) block
+    expert = block_expert.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv))
     by_expert = torch.argsort(expert, stable=True)
     out = compute(rows[by_expert], recv_counts.sum(0))
     return all_to_all(out[torch.argsort(by_expert)], send, recv, group)  # argsort of a permutation: its inverse
