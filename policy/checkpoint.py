@@ -327,12 +327,16 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = N
     """Write config.json + safetensors (sharded with an index above max_shard_bytes).
     dtype casts the floating tensors except those K3 keeps in float32; mxfp4_experts stores the
     routed experts as MXFP4 (compressed-tensors layout, as the K3 release does)."""
-    d = Path(path)
-    d.mkdir(parents=True, exist_ok=True)
     cfg: ModelConfig = model.config
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if any(v.is_meta for v in state.values()):
         raise ValueError("save_pretrained: the model is on the meta device; nothing to save")
+    held = {v.shape[0] for k, v in state.items() if k.endswith(".experts.w1")}
+    if held - {cfg.num_experts}:  # an expert-parallel rank (LatentMoE.shard_experts) holds a share
+        raise ValueError(f"save_pretrained: the model holds {held.pop()} of its {cfg.num_experts} routed experts "
+                         f"per layer (sharded over ranks); a checkpoint needs them all")
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
     hf = to_hf_state_dict(state, mxfp4_experts)
 
     def cast(k: str, v: torch.Tensor) -> torch.Tensor:

@@ -246,6 +246,13 @@ class HybridForCausalLM(nn.Module):
                 total += float(moe.replay_total)
         return {"load": load, "routing_agreement": agree / total if total else None}
 
+    def shard_experts(self, group: "torch.distributed.ProcessGroup") -> None:
+        """Expert parallelism over `group`: each MoE layer keeps only this rank's routed experts
+        (LatentMoE.shard_experts). Every rank builds the same model first, then shards it."""
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.block_sparse_moe.shard_experts(group)
+
     def set_dsa_stage(self, stage: str) -> None:
         """'warmup': dense attention, only the indexer learns (KL to it); 'sparse': top-k attention."""
         if stage not in ("warmup", "sparse"):

@@ -23,10 +23,12 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import ModelConfig
 from ._ops import glu
+from .moe_parallel import expert_parallel
 from .norms import RMSNorm
 
 _QUANTILE_EMA = 0.5
@@ -66,34 +68,40 @@ class StackedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))  # up
         self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
-    def forward(self, z: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
+                ep_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """z: [N, dim]; w, idx: [N, k] routing weights and experts. Returns sum_e w_e Expert_e(z),
-        [N, dim] float32. Token-expert pairs are sorted by expert so each expert sees one
-        contiguous slice: one grouped GEMM per projection on CUDA, one GEMM per used expert
-        elsewhere."""
-        n_tok, k = idx.shape
+        [N, dim] float32. With `ep_group` this rank holds only its slice of the experts and the
+        token rows travel to the ranks that hold theirs (moe_parallel.py)."""
         flat_e = idx.reshape(-1)
-        order = torch.argsort(flat_e, stable=True)
-        tok = order // k
-        counts = expert_counts(flat_e, self.w1.shape[0])
+        order = torch.argsort(flat_e, stable=True)  # token-expert pairs, expert by expert
+        tok = order // idx.shape[1]
         zs = z[tok]
+        if ep_group is None:
+            out = self.grouped(zs, expert_counts(flat_e, self.w1.shape[0]))
+        else:
+            n_experts = self.w1.shape[0] * dist.get_world_size(ep_group)
+            out = expert_parallel(self.grouped, zs, expert_counts(flat_e, n_experts), ep_group)
+        weighted = out.float() * w.reshape(-1)[order, None]
+        return torch.zeros(len(z), out.shape[-1], device=z.device, dtype=torch.float32).index_add_(0, tok, weighted)
+
+    def grouped(self, zs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """zs: [M, dim] rows sorted by expert, counts[e] of them for expert e -> Expert_e(row),
+        [M, dim]: one grouped GEMM per projection on CUDA, one GEMM per used expert elsewhere."""
         if _grouped_mm_usable(zs, self.w1):
             offs = counts.cumsum(0).to(torch.int32)
             w1, w2, w3 = (_aligned(w) for w in (self.w1, self.w2, self.w3))
             gate = torch._grouped_mm(zs, w1.transpose(-2, -1), offs=offs)
             up = torch._grouped_mm(zs, w3.transpose(-2, -1), offs=offs)
-            out = torch._grouped_mm(glu(gate, up, *self.act), w2.transpose(-2, -1), offs=offs)
-        else:
-            parts, start = [], 0
-            for e, c in enumerate(counts.tolist()):
-                if c:
-                    ze = zs[start:start + c]
-                    h = glu(ze @ self.w1[e].t(), ze @ self.w3[e].t(), *self.act)
-                    parts.append(h @ self.w2[e].t())
-                start += c
-            out = torch.cat(parts) if parts else zs.new_zeros(0, self.w2.shape[1])
-        weighted = out.float() * w.reshape(-1)[order, None]
-        return torch.zeros(n_tok, out.shape[-1], device=z.device, dtype=torch.float32).index_add_(0, tok, weighted)
+            return torch._grouped_mm(glu(gate, up, *self.act), w2.transpose(-2, -1), offs=offs)
+        parts, start = [], 0
+        for e, c in enumerate(counts.tolist()):
+            if c:
+                ze = zs[start:start + c]
+                h = glu(ze @ self.w1[e].t(), ze @ self.w3[e].t(), *self.act)
+                parts.append(h @ self.w2[e].t())
+            start += c
+        return torch.cat(parts) if parts else zs.new_zeros(0, self.w2.shape[1])
 
 
 def expert_counts(expert_ids: torch.Tensor, n_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,6 +148,22 @@ class LatentMoE(nn.Module):
         self.register_buffer("n_stat", torch.zeros(()), persistent=False)
         self.register_buffer("replay_agree", torch.zeros(()), persistent=False)
         self.register_buffer("replay_total", torch.zeros(()), persistent=False)
+        self.ep_group: dist.ProcessGroup | None = None  # set by shard_experts
+
+    def shard_experts(self, group: dist.ProcessGroup) -> None:
+        """Keep only this rank's routed experts, [r*E/ep, (r+1)*E/ep) for rank r of `group` (size
+        ep), and exchange tokens with the other ranks in every forward (moe_parallel.py). Call it
+        on a model built the same way on every rank, before its optimizer is made."""
+        if self.ep_group is not None:
+            raise ValueError("shard_experts: this layer's experts are already sharded")
+        ep, rank = dist.get_world_size(group), dist.get_rank(group)
+        if self.n_experts % ep:
+            raise ValueError(f"shard_experts: num_experts {self.n_experts} is not divisible by the group size {ep}")
+        n = self.n_experts // ep
+        for name in ("w1", "w2", "w3"):
+            full = getattr(self.experts, name).detach()
+            setattr(self.experts, name, nn.Parameter(full[rank * n:(rank + 1) * n].clone()))
+        self.ep_group = group
 
     def route(self, x: torch.Tensor, routing: torch.Tensor | None = None,
               real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,25 +173,28 @@ class LatentMoE(nn.Module):
         scores = self.gate(x)
         with torch.no_grad():
             idx = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1).indices
+        replay = scores.new_zeros(2)
         if routing is not None:
             if self.training:  # how often the learner's own choice equals the rollout's (the set of k)
                 with torch.no_grad():
                     recorded = (routing >= 0).all(-1)
                     same = (routing.sort(-1).values == idx.sort(-1).values).all(-1)
-                    self.replay_agree += (same & recorded).sum()
-                    self.replay_total += recorded.sum()
+                    replay = torch.stack([(same & recorded).sum(), recorded.sum()]).float()
             idx = torch.where(routing >= 0, routing, idx)
         w = scores.gather(1, idx)
         if self.renorm:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         if self.training:  # replayed routing counts too: it is the load the step actually used
-            self._record(scores.detach(), idx, real)
+            self._record(scores.detach(), idx, real, replay)
         return w * self.scaling, idx
 
     @torch.no_grad()
-    def _record(self, scores: torch.Tensor, idx: torch.Tensor, real: torch.Tensor | None) -> None:
+    def _record(self, scores: torch.Tensor, idx: torch.Tensor, real: torch.Tensor | None,
+                replay: torch.Tensor) -> None:
+        """Add this forward's statistics; replay: [agreeing, recorded] replayed tokens."""
         weight = None if real is None else real.to(self.load.dtype)[:, None].expand_as(idx).reshape(-1)
-        self.load += expert_counts(idx.reshape(-1), self.n_experts, weight).to(self.load.dtype)
+        load = expert_counts(idx.reshape(-1), self.n_experts, weight).to(self.load.dtype)
+        shift = torch.zeros_like(self.quantile_shift)
         if self.balance == "quantile" and real is not None:
             scores = scores[real]  # the quantiles are over real tokens (a host sync; "bias" needs none)
         if self.balance == "quantile" and scores.shape[0] > 0:
@@ -178,9 +205,18 @@ class LatentMoE(nn.Module):
             m = biased - alpha  # [N, E]
             q = int(math.ceil(self.top_k * n_tok / self.n_experts))
             qq = min(q + 1, n_tok)
-            c = m.topk(qq, dim=0).values[-1]  # (q+1)-th largest per expert
-            self.quantile_shift += c
-        self.n_stat += 1
+            shift = m.topk(qq, dim=0).values[-1]  # (q+1)-th largest per expert
+        stats = torch.cat([load, shift, load.new_ones(1), replay])
+        if self.ep_group is not None:
+            # Every rank of the job trains on its own tokens: summed over all of them, the statistics
+            # (and so the bias update, the same on every rank) are one rank's over all the tokens.
+            dist.all_reduce(stats)
+        E = self.n_experts
+        self.load += stats[:E]
+        self.quantile_shift += stats[E:2 * E]
+        self.n_stat += stats[2 * E]
+        self.replay_agree += stats[2 * E + 1]
+        self.replay_total += stats[2 * E + 2]
 
     @torch.no_grad()
     def update_bias(self) -> None:
@@ -209,7 +245,7 @@ class LatentMoE(nn.Module):
         real = None if token_mask is None else token_mask.reshape(-1).to(x.device)
         w, idx = self.route(flat, r, real)
         z = self.routed_expert_down_proj(flat) if self.latent is not None else flat
-        y = self.experts(z, w, idx)
+        y = self.experts(z, w, idx, self.ep_group)
         y = y.to(x.dtype)
         if self.latent is not None:
             if self.routed_expert_norm is not None:
