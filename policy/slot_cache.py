@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KDACache, MLACache, ModelCache
+from .config import ModelConfig
 
 Tensor = torch.Tensor
+BLOCK_SIZE = 16  # tokens per block of latent keys
 
 
 @dataclass
@@ -74,7 +76,7 @@ class CacheFull(RuntimeError):
 
 
 class SlotCache:
-    def __init__(self, model: torch.nn.Module, max_slots: int, num_blocks: int, block_size: int = 16,
+    def __init__(self, model: torch.nn.Module, max_slots: int, num_blocks: int, block_size: int = BLOCK_SIZE,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if max_slots < 1 or num_blocks < 1 or block_size < 1:
             raise ValueError(f"SlotCache: max_slots, num_blocks and block_size must be >= 1, "
@@ -107,26 +109,26 @@ class SlotCache:
 
     # ---- sizing ------------------------------------------------------------------------------
     @staticmethod
-    def bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
-        """Fixed memory of one slot (KDA states and windows of every KDA layer)."""
-        esize = torch.empty((), dtype=dtype or model.lm_head.weight.dtype).element_size()
-        total = 0
-        for layer in model.model.layers:
-            if layer.kind == "kda":
-                m = layer.self_attn
-                total += m.HV * m.K * m.V * 4 + (m.W - 1) * m.conv_channels() * esize
-        return total
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """Fixed memory of one slot: every KDA layer's recurrent state (float32) and short-conv window."""
+        state = cfg.num_v_heads * cfg.linear_head_dim * cfg.v_dim * 4
+        channels = 2 * cfg.linear_num_heads * cfg.linear_head_dim + cfg.num_v_heads * cfg.v_dim
+        conv = (cfg.linear_conv_kernel_dim - 1) * channels * dtype.itemsize
+        return cfg.layer_types.count("kda") * (state + conv)
 
     @staticmethod
-    def bytes_per_token(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
-        """Memory one cached token takes (latent keys of every MLA/DSA layer)."""
-        esize = torch.empty((), dtype=dtype or model.lm_head.weight.dtype).element_size()
-        total = 0
-        for layer in model.model.layers:
-            if layer.kind != "kda":
-                m = layer.self_attn
-                total += (m.kv_lora + m.rope + (m.indexer.head_dim if m.sparse else 0)) * esize
-        return total
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """Memory one cached token takes: every MLA/DSA layer's latent and rope keys (and DSA's index key)."""
+        per_layer = {"kda": 0, "mla": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                     "dsa": cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim}
+        return sum(per_layer[t] for t in cfg.layer_types) * dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the cache's states and key pools hold."""
+        tensors = [t for c in self._kda.values() for t in (c.state, c.conv)]
+        tensors += [t for p in self._mla.values() for t in (p.latent, p.k_rope, p.index_k) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- slots and blocks --------------------------------------------------------------------
     @property
