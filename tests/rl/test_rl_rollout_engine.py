@@ -198,9 +198,9 @@ def test_a_cache_sized_by_a_budget_holds_what_the_arithmetic_says():
 
 
 def test_a_budget_too_small_for_one_sequence_fails_the_build_in_one_line():
-    with pytest.raises(ValueError, match=r"^rollout.cache_gib=0.001 \(1,073,741 bytes\) cannot hold rollout.max_slots=8 "
-                                         r"slots \(112,128 bytes each\) plus one rollout.max_context=1024-token "
-                                         r"sequence \(196,608 bytes\)[^\n]*$"):
+    with pytest.raises(ValueError, match=r"^rollout.cache_gib=0.001 \(1,073,741 bytes\) cannot hold "
+                                         r"rollout.max_slots=8 slots \(112,128 bytes each\) plus one "
+                                         r"rollout.max_context=1024-token sequence \(196,608 bytes\)[^\n]*$"):
         budget_engine(0.001, max_context=1024)
 
 
