@@ -101,8 +101,9 @@ class SlotCache:
                                         torch.zeros(rows, mixer.rope, device=device, dtype=dtype), ik)
         self.lengths = [0] * max_slots  # tokens each slot's cache holds
         self.tables: list[list[int]] = [[] for _ in range(max_slots)]
-        # the block tables again as one tensor, for vectorised position lookups in `view`
-        self._table_t = torch.zeros(max_slots, num_blocks, dtype=torch.long)
+        # the block tables again as one tensor, for vectorised position lookups in `view`: as wide as
+        # the longest table so far, not the pool (a budget-sized pool has millions of blocks)
+        self._table_t = torch.zeros(max_slots, 1, dtype=torch.long)
         self.refs = [0] * num_blocks
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._free_slots = list(range(max_slots - 1, -1, -1))
@@ -164,6 +165,10 @@ class SlotCache:
 
     def _set_table(self, slot: int, table: list[int]) -> None:
         self.tables[slot] = table
+        width = self._table_t.shape[1]
+        if len(table) > width:  # widened by doubling, so rarely
+            grown = torch.zeros(self.max_slots, max(len(table), 2 * width) - width, dtype=torch.long)
+            self._table_t = torch.cat([self._table_t, grown], 1)
         if table:
             self._table_t[slot, :len(table)] = torch.tensor(table)
 
@@ -199,7 +204,7 @@ class SlotCache:
         table = list(self.tables[src][:full])
         for block in table:
             self.refs[block] += 1
-        if n % self.block_size:  # the last block is still being written: a private copy
+        if n % self.block_size and self._mla:  # the last block is still being written: a private copy
             block = self._take_block()
             a, b = self.tables[src][full] * self.block_size, block * self.block_size
             for pool in self._mla.values():
@@ -219,12 +224,13 @@ class SlotCache:
         lens = torch.tensor(past_len, dtype=torch.long)
         bs, P = self.block_size, max(past_len)
         tables = self._table_t.index_select(0, torch.tensor(slots))
+        last = tables.shape[1] - 1  # positions past a row's table (invalid, padding, no MLA layer) read any block
         pos = torch.arange(P)
         past_valid = pos[None] < lens[:, None]  # [B, P]
-        past_index = tables[:, pos // bs] * bs + pos % bs  # rows' keys at the front; invalid ones point anywhere
+        past_index = tables[:, (pos // bs).clamp(max=last)] * bs + pos % bs  # rows' keys at the front
         new_pos = lens[:, None] + torch.arange(width)[None]  # [B, width]
         real = torch.arange(width)[None] < torch.tensor(n_new)[:, None]
-        blocks = tables.gather(1, (new_pos // bs).clamp(max=self.num_blocks - 1))
+        blocks = tables.gather(1, (new_pos // bs).clamp(max=last))
         write_index = torch.where(real, blocks * bs + new_pos % bs, -1)
         past_index, past_valid, write_index = (t.to(self.device) for t in (past_index, past_valid, write_index))
         layers = []

@@ -174,6 +174,18 @@ def test_a_sequence_larger_than_the_whole_cache_fails_its_turn_clearly(model):
         asyncio.run(too_long())
 
 
+def test_a_model_without_global_layers_forks_its_group():
+    """No MLA layer, so no key blocks: a fork copies only KDA state (it used to fail half-way, silently,
+    and the member was prefilled again on top of the copied state)."""
+    torch.manual_seed(0)
+    kda_only = build_model("toy", vocab_size=300, layer_types=["kda"] * 4).eval()
+    e = engine(kda_only, max_slots=4, cache_tokens=256)
+    prompt = list(range(10, 50))  # 40 tokens: the last block is partly filled
+    out = tokens_of(asyncio.run(play(e, {"g": (prompt, [0, 1])}, turns=1, greedy=True)))
+    assert e.stats().prefill_tokens == len(prompt)
+    assert out["g/0"] == out["g/1"]
+
+
 TOY = {"preset": "toy", "overrides": {"vocab_size": 300}}
 
 
