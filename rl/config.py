@@ -36,8 +36,8 @@ class ResourcesConfig(Section):
     own `rollout_gpus` (a fraction packs workers on one GPU: 0.5 puts two on each). Colocated
     (colocate: true): rollout workers have no GPUs of their own; they are spread over the
     learner's GPUs and share their memory with the learner. (The engines do not yet release their
-    caches while the learner steps: size rollout.cache_gib or cache_tokens to leave the learner room.) Weights
-    then cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
+    caches while the learner steps: size rollout.cache_gib or cache_tokens to leave the learner
+    room.) Weights then cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
 
     learner_gpus: int = Field(default=0, ge=0)  # one DeepSpeed rank per GPU
     rollout_gpus: float = Field(default=0.0, ge=0)  # per rollout worker
