@@ -42,7 +42,8 @@ def bound_tok_s(model, seqs: int, context: int) -> float:
     from policy.slot_cache import SlotCache
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    state = seqs * (SlotCache.bytes_per_slot(model) + context * SlotCache.bytes_per_token(model))
+    cfg, dtype = model.config, model.lm_head.weight.dtype
+    state = seqs * (SlotCache.bytes_per_slot(cfg, dtype) + context * SlotCache.bytes_per_token(cfg, dtype))
     return seqs * BANDWIDTH / (weights + state)
 
 

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KDACache, MLACache, ModelCache
+from .config import ModelConfig
 
 Tensor = torch.Tensor
+BLOCK_SIZE = 16  # tokens per block of latent keys
 
 
 @dataclass
@@ -74,7 +76,7 @@ class CacheFull(RuntimeError):
 
 
 class SlotCache:
-    def __init__(self, model: torch.nn.Module, max_slots: int, num_blocks: int, block_size: int = 16,
+    def __init__(self, model: torch.nn.Module, max_slots: int, num_blocks: int, block_size: int = BLOCK_SIZE,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if max_slots < 1 or num_blocks < 1 or block_size < 1:
             raise ValueError(f"SlotCache: max_slots, num_blocks and block_size must be >= 1, "
@@ -99,34 +101,35 @@ class SlotCache:
                                         torch.zeros(rows, mixer.rope, device=device, dtype=dtype), ik)
         self.lengths = [0] * max_slots  # tokens each slot's cache holds
         self.tables: list[list[int]] = [[] for _ in range(max_slots)]
-        # the block tables again as one tensor, for vectorised position lookups in `view`
-        self._table_t = torch.zeros(max_slots, num_blocks, dtype=torch.long)
+        # the block tables again as one tensor, for vectorised position lookups in `view`: as wide as
+        # the longest table so far, not the pool (a budget-sized pool has millions of blocks)
+        self._table_t = torch.zeros(max_slots, 1, dtype=torch.long)
         self.refs = [0] * num_blocks
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._free_slots = list(range(max_slots - 1, -1, -1))
 
     # ---- sizing ------------------------------------------------------------------------------
     @staticmethod
-    def bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
-        """Fixed memory of one slot (KDA states and windows of every KDA layer)."""
-        esize = torch.empty((), dtype=dtype or model.lm_head.weight.dtype).element_size()
-        total = 0
-        for layer in model.model.layers:
-            if layer.kind == "kda":
-                m = layer.self_attn
-                total += m.HV * m.K * m.V * 4 + (m.W - 1) * m.conv_channels() * esize
-        return total
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """Fixed memory of one slot: every KDA layer's recurrent state (float32) and short-conv window."""
+        state = cfg.num_v_heads * cfg.linear_head_dim * cfg.v_dim * 4
+        channels = 2 * cfg.linear_num_heads * cfg.linear_head_dim + cfg.num_v_heads * cfg.v_dim
+        conv = (cfg.linear_conv_kernel_dim - 1) * channels * dtype.itemsize
+        return cfg.layer_types.count("kda") * (state + conv)
 
     @staticmethod
-    def bytes_per_token(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
-        """Memory one cached token takes (latent keys of every MLA/DSA layer)."""
-        esize = torch.empty((), dtype=dtype or model.lm_head.weight.dtype).element_size()
-        total = 0
-        for layer in model.model.layers:
-            if layer.kind != "kda":
-                m = layer.self_attn
-                total += (m.kv_lora + m.rope + (m.indexer.head_dim if m.sparse else 0)) * esize
-        return total
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """Memory one cached token takes: every MLA/DSA layer's latent and rope keys (and DSA's index key)."""
+        per_layer = {"kda": 0, "mla": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                     "dsa": cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim}
+        return sum(per_layer[t] for t in cfg.layer_types) * dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the cache's states and key pools hold."""
+        tensors = [t for c in self._kda.values() for t in (c.state, c.conv)]
+        tensors += [t for p in self._mla.values() for t in (p.latent, p.k_rope, p.index_k) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- slots and blocks --------------------------------------------------------------------
     @property
@@ -162,6 +165,10 @@ class SlotCache:
 
     def _set_table(self, slot: int, table: list[int]) -> None:
         self.tables[slot] = table
+        width = self._table_t.shape[1]
+        if len(table) > width:  # widened by doubling, so rarely
+            grown = torch.zeros(self.max_slots, max(len(table), 2 * width) - width, dtype=torch.long)
+            self._table_t = torch.cat([self._table_t, grown], 1)
         if table:
             self._table_t[slot, :len(table)] = torch.tensor(table)
 
@@ -197,7 +204,7 @@ class SlotCache:
         table = list(self.tables[src][:full])
         for block in table:
             self.refs[block] += 1
-        if n % self.block_size:  # the last block is still being written: a private copy
+        if n % self.block_size and self._mla:  # the last block is still being written: a private copy
             block = self._take_block()
             a, b = self.tables[src][full] * self.block_size, block * self.block_size
             for pool in self._mla.values():
@@ -217,12 +224,13 @@ class SlotCache:
         lens = torch.tensor(past_len, dtype=torch.long)
         bs, P = self.block_size, max(past_len)
         tables = self._table_t.index_select(0, torch.tensor(slots))
+        last = tables.shape[1] - 1  # positions past a row's table (invalid, padding, no MLA layer) read any block
         pos = torch.arange(P)
         past_valid = pos[None] < lens[:, None]  # [B, P]
-        past_index = tables[:, pos // bs] * bs + pos % bs  # rows' keys at the front; invalid ones point anywhere
+        past_index = tables[:, (pos // bs).clamp(max=last)] * bs + pos % bs  # rows' keys at the front
         new_pos = lens[:, None] + torch.arange(width)[None]  # [B, width]
         real = torch.arange(width)[None] < torch.tensor(n_new)[:, None]
-        blocks = tables.gather(1, (new_pos // bs).clamp(max=self.num_blocks - 1))
+        blocks = tables.gather(1, (new_pos // bs).clamp(max=last))
         write_index = torch.where(real, blocks * bs + new_pos % bs, -1)
         past_index, past_valid, write_index = (t.to(self.device) for t in (past_index, past_valid, write_index))
         layers = []

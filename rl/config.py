@@ -36,8 +36,8 @@ class ResourcesConfig(Section):
     own `rollout_gpus` (a fraction packs workers on one GPU: 0.5 puts two on each). Colocated
     (colocate: true): rollout workers have no GPUs of their own; they are spread over the
     learner's GPUs and share their memory with the learner. (The engines do not yet release their
-    caches while the learner steps: size rollout.cache_tokens to leave the learner room.) Weights
-    then cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
+    caches while the learner steps: size rollout.cache_gib or cache_tokens to leave the learner
+    room.) Weights then cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
 
     learner_gpus: int = Field(default=0, ge=0)  # one DeepSpeed rank per GPU
     rollout_gpus: float = Field(default=0.0, ge=0)  # per rollout worker
@@ -138,9 +138,13 @@ class RolloutConfig(Section):
     drop_uniform_groups: bool = True  # groups whose rewards all agree carry no signal: drop, draw more
     max_draws_per_step: float = Field(default=4.0, ge=1.0)  # x groups_per_step: cap on drawing replacements
     groups_per_worker: int = Field(default=8, ge=1)  # groups one worker plays at once (continuous batching)
-    # the native engine's memory: sequences in cache slots, latent keys in blocks of the cache
+    # the native engine's memory: sequences in cache slots (each with its KDA state), latent keys in
+    # blocks of the cache shared by all slots. Size the keys by tokens (cache_tokens) or by memory
+    # (cache_gib: the slots' state first, then as many blocks as fit; it must hold one max_context
+    # sequence), not both; neither: 131072 tokens
     max_slots: int = Field(default=64, ge=1)
-    cache_tokens: int = Field(default=131072, ge=64)
+    cache_tokens: int | None = Field(default=None, ge=64)
+    cache_gib: float | None = Field(default=None, gt=0)
     max_batch_tokens: int = Field(default=2048, ge=16)  # prefill tokens per forward (longer inputs in chunks)
     sync_bucket_mb: int = Field(default=256, ge=1)  # weight pushes to the native engine go in buckets of this size
     # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
@@ -158,6 +162,13 @@ class RolloutConfig(Section):
         if self.top_p < 1.0:
             raise ValueError(f"rollout.top_p={self.top_p} is not supported for training: the learner scores the "
                              f"full distribution, so a truncated sampler would bias the importance ratio; use 1.0")
+        return self
+
+    @model_validator(mode="after")
+    def _one_cache_size(self) -> "RolloutConfig":
+        if self.cache_tokens is not None and self.cache_gib is not None:
+            raise ValueError(f"give rollout.cache_tokens ({self.cache_tokens}) or rollout.cache_gib "
+                             f"({self.cache_gib}), not both")
         return self
 
     @model_validator(mode="after")
@@ -296,6 +307,22 @@ class RunConfig(Section):
         if self.model.hf_path and self.rollout.record_routing:
             raise ValueError("rollout.record_routing: routing replay needs our hybrid policy; set it to false "
                              "for a transformers policy (model.hf_path)")
+        return self
+
+    @model_validator(mode="after")
+    def _cache_budget_holds_a_sequence(self) -> "RunConfig":
+        """rollout.cache_gib checked now against the preset's shapes, not minutes in when an engine is built."""
+        if self.rollout.cache_gib is None or self.rollout.engine != "native":
+            return self
+        import torch
+
+        from policy.config import get_config
+        from policy.dtypes import device_precision
+        from rl.rollout.cache_budget import engine_cache_tokens
+
+        on_gpu = self.resources.rollout_gpus > 0 or self.resources.colocate
+        dtype = device_precision(torch.device("cuda" if on_gpu else "cpu"))
+        engine_cache_tokens(self.rollout, get_config(self.model.preset, **self.model.overrides), dtype)
         return self
 
     @model_validator(mode="after")

@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from policy.slot_cache import CacheFull, SlotCache
+from policy.slot_cache import BLOCK_SIZE, CacheFull, SlotCache
 from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams, SequenceRecord, TurnOutput, WeightUpdate
 from rl.rollout.sampling import sample_tokens
 
@@ -52,7 +52,7 @@ class _Seq:
 
 class NativeEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, max_slots: int = 64, cache_tokens: int = 65536,
-                 block_size: int = 16, max_batch_tokens: int = 2048, record_routing: bool = True,
+                 block_size: int = BLOCK_SIZE, max_batch_tokens: int = 2048, record_routing: bool = True,
                  name: str = "native") -> None:
         self.model = model.eval()
         self.name = name
@@ -207,8 +207,8 @@ class NativeEngine(RolloutEngine):
         False when it must wait. A sequence larger than the whole cache fails its turn."""
         capacity = self.cache.num_blocks * self.cache.block_size
         if length > capacity:
-            self._fail(seq, RuntimeError(f"sequence {seq.seq_id!r} needs {length} tokens of cache; the engine "
-                                         f"holds {capacity} (raise rollout.cache_tokens or lower max_context)"))
+            self._fail(seq, RuntimeError(f"sequence {seq.seq_id!r} needs {length} tokens of cache; the engine holds "
+                                         f"{capacity} (raise rollout.cache_tokens or cache_gib, or lower max_context)"))
             return False
         while True:
             try:

@@ -43,6 +43,7 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
         from policy import build_policy, load_policy
 
         from rl.placement import actor_device
+        from rl.rollout.cache_budget import engine_cache_tokens
         from rl.rollout.native_engine import NativeEngine
 
         from policy.dtypes import device_precision, params_to
@@ -50,7 +51,8 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
         device = actor_device()  # the engine runs where its model is, in the learner's precision there
         model = params_to((load_policy(saved) if saved else build_policy(model_spec)).to(device),
                           device_precision(device))
-        engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cfg.cache_tokens,
+        cache_tokens = engine_cache_tokens(cfg, model.config, model.lm_head.weight.dtype)
+        engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cache_tokens,
                               max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing)
         engine.version = version
         return engine

@@ -41,6 +41,10 @@ def test_overrides_are_typed(tmp_path):
         (["train"], "is not of the form key=value"),
         (["train.lr.x=1"], "config error: 'train.lr': Input should be a valid number"),
         (["seed.x=1"], "config error: 'seed' is a value, not a section"),
+        (["rollout.cache_gib=1", "rollout.cache_tokens=4096"],
+         "config error: 'rollout': give rollout.cache_tokens (4096) or rollout.cache_gib (1.0), not both"),
+        (["rollout.cache_gib=0.0001"], "rollout.cache_gib=0.0001 (107,374 bytes) cannot hold rollout.max_slots=64 "
+                                       "slots (112,128 bytes each) plus one rollout.max_context=32768-token sequence"),
     ],
 )
 def test_bad_values_fail_with_one_line_naming_the_key(tmp_path, overrides, expected):
@@ -49,6 +53,14 @@ def test_bad_values_fail_with_one_line_naming_the_key(tmp_path, overrides, expec
     message = str(err.value)
     assert expected in message
     assert "\n" not in message
+
+
+def test_a_cache_budget_is_checked_in_the_precision_the_engine_will_run_in(tmp_path):
+    # toy, 64 slots, one 32,768-token sequence: 13,467,648 B in float32 (CPU), 9,879,552 B in bfloat16 (GPU)
+    path = write(tmp_path, BASE)
+    with pytest.raises(ConfigError, match="cannot hold"):
+        load_config(path, ["rollout.cache_gib=0.01"])
+    assert load_config(path, ["rollout.cache_gib=0.01", "resources.rollout_gpus=1"]).rollout.cache_gib == 0.01
 
 
 def test_unknown_top_level_key_and_missing_file(tmp_path):

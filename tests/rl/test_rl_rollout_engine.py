@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from policy import build_model
+from policy.slot_cache import SlotCache
+from rl.config import RolloutConfig
 from rl.rollout.engine_api import SamplingParams
 from rl.rollout.native_engine import NativeEngine
+from rl.rollout.worker import build_engine
 from rl.rollout.sampling import processed_logprobs, sample_tokens, uniform_noise
 
 STOP = 7
@@ -169,6 +172,59 @@ def test_a_sequence_larger_than_the_whole_cache_fails_its_turn_clearly(model):
 
     with pytest.raises(RuntimeError, match="needs 190 tokens of cache"):
         asyncio.run(too_long())
+
+
+def test_a_model_without_global_layers_forks_its_group():
+    """No MLA layer, so no key blocks: a fork copies only KDA state (it used to fail half-way, silently,
+    and the member was prefilled again on top of the copied state)."""
+    torch.manual_seed(0)
+    kda_only = build_model("toy", vocab_size=300, layer_types=["kda"] * 4).eval()
+    e = engine(kda_only, max_slots=4, cache_tokens=256)
+    prompt = list(range(10, 50))  # 40 tokens: the last block is partly filled
+    out = tokens_of(asyncio.run(play(e, {"g": (prompt, [0, 1])}, turns=1, greedy=True)))
+    assert e.stats().prefill_tokens == len(prompt)
+    assert out["g/0"] == out["g/1"]
+
+
+TOY = {"preset": "toy", "overrides": {"vocab_size": 300}}
+
+
+def budget_engine(cache_gib: float, max_context: int) -> NativeEngine:
+    cfg = RolloutConfig(max_slots=8, groups_per_worker=2, group_size=4, max_context=max_context, cache_gib=cache_gib)
+    e = build_engine(TOY, cfg, seed=0)
+    e.version = 3
+    return e
+
+
+def test_a_cache_sized_by_a_budget_holds_what_the_arithmetic_says():
+    # toy, float32: a slot is 3 KDA layers x (2x64x64 state x 4 B + 3 conv steps x 384 channels x 4 B) =
+    # 112,128 B; a token 48 latent+rope x 4 B = 192 B, a 16-token block 3,072 B.
+    # 0.01 GiB = 10,737,418 B: 8 slots take 897,024 B, leaving room for 3,203 blocks.
+    e = budget_engine(0.01, max_context=512)
+    cache = e.cache
+    assert (cache.max_slots, cache.num_blocks, cache.block_size) == (8, 3203, 16)
+    slot, token = (f(e.model.config, torch.float32) for f in (SlotCache.bytes_per_slot, SlotCache.bytes_per_token))
+    assert (slot, token) == (112_128, 192)
+    assert cache.nbytes == 8 * slot + 3203 * 16 * token  # the allocation is what the arithmetic counted
+    assert cache.nbytes <= 10_737_418 < cache.nbytes + 16 * token
+
+
+def test_a_budget_too_small_for_one_sequence_fails_the_build_in_one_line():
+    with pytest.raises(ValueError, match=r"^rollout.cache_gib=0.001 \(1,073,741 bytes\) cannot hold "
+                                         r"rollout.max_slots=8 slots \(112,128 bytes each\) plus one "
+                                         r"rollout.max_context=1024-token sequence \(196,608 bytes\)[^\n]*$"):
+        budget_engine(0.001, max_context=1024)
+
+
+def test_generation_in_a_tight_budget_sized_cache_matches_a_roomy_one():
+    # 0.00087 GiB = 934,155 B: 8 slots and 12 blocks (192 tokens) for six sequences of ~60 tokens
+    tight = budget_engine(0.00087, max_context=64)
+    assert tight.cache.num_blocks == 12
+    groups = prompts(3, size=2)
+    squeezed = asyncio.run(play(tight, groups, greedy=True))
+    roomy = asyncio.run(play(engine(tight.model, max_slots=8, cache_tokens=4096), groups, greedy=True))
+    assert tight.stats().extra.get("preempted", 0) > 0
+    assert tokens_of(squeezed) == tokens_of(roomy)
 
 
 def test_sampling_depends_only_on_seed_and_position():
