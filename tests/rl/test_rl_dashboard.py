@@ -179,7 +179,7 @@ def test_dashboard_in_a_browser(browser, dashboard_url, tiny_run, second_run, tm
                "train/is_masked_frac": 0.01, "train/routing_agreement": 0.93, "moe/imbalance/layer0": 1.6,
                "env/math/grade_errors": 0, "env/math/grade_timeouts": 1, "env/shell/env_errors": 0,
                "env/sandbox_live": 4, "env/sandbox_acquire_s": 0.02, "hack/math/distinct_answers": 3,
-               "hack/math/degenerate_frac": 0.25}
+               "hack/math/degenerate_frac": 0.25, "train/model_tflops_per_s": 1.5, "train/mfu": 0.2}
     with (tiny_run / "moe_load.jsonl").open("a") as f:
         f.write(json.dumps({"step": step, "layers": [0, 2], "load": [[0.4, 0.3, 0.2, 0.1], [0.25] * 4]}) + "\n")
     with (tiny_run / "metrics.jsonl").open("a") as f:
