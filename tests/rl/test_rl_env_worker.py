@@ -3,6 +3,7 @@ wait on each other forever."""
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import pytest
 
@@ -11,34 +12,44 @@ from rl.rollout.env_worker import EnvWorker
 from rl.types import WorkItem
 
 
+def open_groups_at_once(worker: EnvWorker, env: str, groups: int, members: int, timeout: float,
+                        then: Callable[[str], None] | None = None) -> list[int]:
+    """`groups` threads each open one group of `members` episodes on the same task at the same
+    moment (then call `then(episode_prefix)`); returns the groups that got through."""
+    task = worker.task_ids(env, "train")[0]
+    start = threading.Barrier(groups)
+    finished: list[int] = []
+    errors: list[BaseException] = []
+
+    def play(g: int) -> None:
+        item = WorkItem(f"g{g}", env, task, "low", members, seed=g, max_new_tokens=8, temperature=1.0, top_p=1.0)
+        try:
+            start.wait()
+            worker.reset_group(item, [f"{item.episode_prefix}/{m}" for m in range(members)])
+            if then is not None:
+                then(item.episode_prefix)
+            finished.append(g)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=play, args=(g,), daemon=True) for g in range(groups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not errors, errors
+    return sorted(finished)
+
+
 def test_groups_larger_than_the_free_sandboxes_all_open_in_turn(ray_session):
     """Six groups of 3 at once against a pool of 4 sandboxes: opened member by member, two groups
     could each hold 2 and wait for a third forever; taken a group at a time, every group opens."""
     worker = EnvWorker({"shell": resolve("shell", {"n_train": 8, "n_heldout": 2})}, {"num_actors": 1}, "env-worker-test",
                        sandbox_backend="process", warm_sandboxes=0, max_sandboxes=4)
-    task = worker.task_ids("shell", "train")[0]
-    start = threading.Barrier(6)
-    finished: list[int] = []
-    errors: list[BaseException] = []
-
-    def play(g: int) -> None:
-        item = WorkItem(f"g{g}", "shell", task, "low", 3, seed=g, max_new_tokens=8, temperature=1.0, top_p=1.0)
-        try:
-            start.wait()
-            worker.reset_group(item, [f"{item.episode_prefix}/{m}" for m in range(3)])
-            worker.abort(item.episode_prefix)  # the episodes end; their sandboxes go back
-            finished.append(g)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=play, args=(g,), daemon=True) for g in range(6)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=90)
-        assert not errors, errors
-        assert sorted(finished) == list(range(6)), f"groups {sorted(set(range(6)) - set(finished))} never opened"
+        # the episodes end once open; their sandboxes go back
+        finished = open_groups_at_once(worker, "shell", groups=6, members=3, timeout=90, then=worker.abort)
+        assert finished == list(range(6)), f"groups {sorted(set(range(6)) - set(finished))} never opened"
         assert worker.health_report().sandboxes_live <= 4
     finally:
         worker.close()
@@ -53,25 +64,8 @@ def test_concurrent_episodes_build_the_task_set_once(ray_session, monkeypatch):
     original = MathEnv.build_tasks
     monkeypatch.setattr(MathEnv, "build_tasks", lambda self: builds.append(1) or original(self))
     worker = EnvWorker({"math": resolve("math", {"n_train": 40, "n_heldout": 8})}, {"num_actors": 1}, "tasks-once")
-    task = worker.task_ids("math", "train")[0]
-    start = threading.Barrier(8)
-    errors: list[BaseException] = []
-
-    def play(g: int) -> None:
-        item = WorkItem(f"g{g}", "math", task, "low", 4, seed=g, max_new_tokens=8, temperature=1.0, top_p=1.0)
-        try:
-            start.wait()
-            worker.reset_group(item, [f"{item.episode_prefix}/{m}" for m in range(4)])
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=play, args=(g,), daemon=True) for g in range(8)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not errors, errors
+        assert open_groups_at_once(worker, "math", groups=8, members=4, timeout=60) == list(range(8))
         assert len(worker.episodes) == 32
         assert len(builds) == 1, f"the task set was built {len(builds)} times for 32 episodes"
     finally:
