@@ -48,6 +48,7 @@ class _Seq:
     routing: list[np.ndarray] = field(default_factory=list)  # per fed token [n_moe, k]
     fork_of: "_Seq | None" = None  # waiting to copy this sequence's cache once it is prefilled
     admitted: float = 0.0  # for preemption order (newest first)
+    error: Exception | None = None  # a failed step left its cache undefined: every later turn fails
 
 
 class NativeEngine(RolloutEngine):
@@ -89,6 +90,8 @@ class NativeEngine(RolloutEngine):
                 raise KeyError(f"generate: unknown sequence {seq_id!r} (start_group first)")
             if seq.turn is not None:
                 raise RuntimeError(f"generate: sequence {seq_id!r} already has a turn in flight")
+            if seq.error is not None:
+                raise seq.error
             if append:
                 seq.tokens.extend(append)
                 seq.logits = None
@@ -158,10 +161,15 @@ class NativeEngine(RolloutEngine):
                     started = time.perf_counter()
                     try:
                         progressed = await asyncio.to_thread(self._step)
-                    except Exception as exc:  # noqa: BLE001 - a failed step fails the turns in flight, not the engine
+                    except Exception as exc:  # noqa: BLE001 - a failed step fails its sequences, not the engine
                         progressed = False
+                        self._stats.extra["step_errors"] = self._stats.extra.get("step_errors", 0.0) + 1
+                        error = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
+                        # a forward may have written part of any fed sequence's cache: none of them
+                        # can go on, including those with no turn in flight (a group prompt's prefill)
                         for seq in self.seqs.values():
-                            self._fail(seq, RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}"))
+                            seq.error = error
+                            self._fail(seq, error)
                     self._stats.busy_s += time.perf_counter() - started
                 await asyncio.sleep(0)  # requests and weight updates get in between two steps
 
@@ -171,7 +179,8 @@ class NativeEngine(RolloutEngine):
         fork prefilled group prompts, sample. Returns whether anything happened."""
         parents = {id(s.fork_of) for s in self.seqs.values() if s.fork_of is not None}
         wanting = sorted((s for s in self.seqs.values() if s.fork_of is None and s.fed < len(s.tokens)
-                          and (s.turn is not None or id(s) in parents)), key=lambda s: s.admitted)
+                          and s.error is None and (s.turn is not None or id(s) in parents)),
+                         key=lambda s: s.admitted)
         decode: list[_Seq] = []
         prefill: list[tuple[_Seq, int]] = []
         chosen: set[int] = set()  # fed this step: never preempted by a later one

@@ -174,6 +174,34 @@ def test_a_sequence_larger_than_the_whole_cache_fails_its_turn_clearly(model):
         asyncio.run(too_long())
 
 
+def test_a_failed_step_with_no_turn_in_flight_fails_the_next_turns():
+    """A group's prompt is prefilled before any member asks for a turn. If that forward fails, the
+    members' caches are undefined: their next turns must fail with the step's error (it used to be
+    dropped, and the turn ran on whatever the failed forward had left)."""
+    torch.manual_seed(0)
+    m = build_model("toy", vocab_size=300).eval()
+    e = engine(m, max_slots=4, cache_tokens=256)
+    real_forward, calls = m.forward, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device fault")
+        return real_forward(*args, **kwargs)
+
+    m.forward = fails_once
+
+    async def member_turn():
+        await e.start_group(["g/0", "g/1"], list(range(10, 30)))
+        while not calls:  # the prefill forward has started (it holds the engine's lock until it ends)
+            await asyncio.sleep(0.01)
+        await e.generate("g/1", [], params(seed=1))
+
+    with pytest.raises(RuntimeError, match="engine step failed: RuntimeError: device fault"):
+        asyncio.run(member_turn())
+    assert e.stats().extra["step_errors"] == 1
+
+
 def test_a_model_without_global_layers_forks_its_group():
     """No MLA layer, so no key blocks: a fork copies only KDA state (it used to fail half-way, silently,
     and the member was prefilled again on top of the copied state)."""
