@@ -225,6 +225,8 @@ class TrainConfig(Section):
     threads: int = Field(default=2, ge=1)  # torch threads in the learner (rollouts idle while it trains)
     zero_stage: int = Field(default=0, ge=0, le=2)  # ZeRO-3 partitions weights; the push reads whole ones
     updates_per_step: int = Field(default=1, ge=1)  # optimizer steps per batch (mini-batches of whole groups)
+    # recompute each decoder layer's activations in backward instead of storing them (less memory, ~1 more forward)
+    activation_checkpointing: bool = False
     off_policy: OffPolicyConfig = Field(default_factory=lambda: OffPolicyConfig())
 
 
