@@ -35,9 +35,12 @@ class ResourcesConfig(Section):
     Separate (colocate: false): the learner holds `learner_gpus` GPUs and each rollout worker its
     own `rollout_gpus` (a fraction packs workers on one GPU: 0.5 puts two on each). Colocated
     (colocate: true): rollout workers have no GPUs of their own; they are spread over the
-    learner's GPUs and share their memory with the learner. (The engines do not yet release their
-    caches while the learner steps: size rollout.cache_gib or cache_tokens to leave the learner
-    room.) Weights then cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
+    learner's GPUs and share their memory with the learner. In a synchronous run
+    (rollout.max_staleness 0) the native engines free their caches before each learner step and
+    allocate them again for the next groups (memory/rollout_cache_released_mb); asynchronous
+    rollouts run through the learner step, so their engines keep their caches: size
+    rollout.cache_gib, cache_tokens or gpu_memory_fraction to leave the learner room. Weights then
+    cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
 
     learner_gpus: int = Field(default=0, ge=0)  # one DeepSpeed rank per GPU
     rollout_gpus: float = Field(default=0.0, ge=0)  # per rollout worker

@@ -124,6 +124,11 @@ class RolloutWorker:
         """Take one sync from the learner (ticket None: over the broadcast group); the version held."""
         return await self.weight_sink.pull(self.engine, ticket)
 
+    async def release_cache(self) -> int:
+        """Free the engine's cache memory if it holds no sequence (rl.trainer asks before a
+        colocated learner steps); the bytes freed. An engine not built yet holds nothing."""
+        return 0 if self._engine is None else await self._engine.release_cache()
+
     async def stats(self) -> EngineStats:
         return self.engine.stats()
 

@@ -284,3 +284,32 @@ def test_weights_updated_mid_turn_label_each_token_with_the_version_that_sampled
     out = asyncio.run(run())
     assert out.versions == sorted(out.versions) and out.versions[0] == 3 and out.versions[-1] == 4
     assert 5 <= out.versions.count(3) < 300 and len(out.versions) == len(out.tokens) == 300
+
+
+def test_a_released_cache_frees_its_memory_and_generates_as_one_never_released(model):
+    first, second = prompts(2), {f"h{k}": v for k, v in prompts(3).items()}
+    kept, released = (engine(model, max_slots=8, cache_tokens=1024) for _ in range(2))
+    held = released.cache.nbytes
+    for e in (kept, released):
+        asyncio.run(play(e, first))
+    assert asyncio.run(released.release_cache()) == held > 0
+    assert released.cache.nbytes == 0
+    assert asyncio.run(released.release_cache()) == 0  # nothing left to free
+    for greedy in (True, False):
+        assert tokens_of(asyncio.run(play(released, second, greedy=greedy))) == \
+            tokens_of(asyncio.run(play(kept, second, greedy=greedy)))
+    assert released.cache.nbytes == held  # allocated again, in full
+
+
+def test_an_engine_holding_a_sequence_keeps_its_cache(model):
+    e = engine(model, max_slots=4, cache_tokens=256)
+
+    async def open_then_release() -> int:
+        await e.start_group(["a/0"], [11, 12, 13])
+        await e.generate("a/0", [], params(1, greedy=True, n=2))  # in a slot now
+        return await e.release_cache()
+
+    held = e.cache.nbytes
+    assert asyncio.run(open_then_release()) == 0 and e.cache.nbytes == held
+    with pytest.raises(ValueError, match=r"^SlotCache.release: 1 slot\(s\) in use$"):
+        e.cache.release()
