@@ -146,7 +146,8 @@ class RolloutConfig(Section):
     # (cache_gib: the slots' state first, then as many blocks as fit; it must hold one max_context
     # sequence), not both; neither: 131072 tokens on a CPU, and on a GPU gpu_memory_fraction (default
     # 0.9) of the memory free once the model is loaded, times the worker's Ray GPU share (colocated
-    # workers share 0.5 of the GPU, so they take 0.45 of it in all; two packed workers 0.45 each)
+    # workers share 0.5 of the GPU, so they take 0.45 of it in all; two packed workers 0.45 each),
+    # never more than max_slots sequences of max_context tokens
     max_slots: int = Field(default=64, ge=1)
     cache_tokens: int | None = Field(default=None, ge=64)
     cache_gib: float | None = Field(default=None, gt=0)

@@ -1,7 +1,8 @@
 """How many tokens of latent keys the native engine's cache holds: `rollout.cache_tokens`, or as
 many whole blocks as fit a memory budget beside every slot's fixed KDA state. The budget is
 `rollout.cache_gib`, or on a GPU, when neither is given, `rollout.gpu_memory_fraction` of the memory
-free once the engine's model is loaded (times this worker's share of the GPU).
+free once the engine's model is loaded (times this worker's share of the GPU), but no more than
+`max_slots` sequences of `max_context` tokens.
 
 Checked twice with the same arithmetic: when the run config is validated (the preset's shapes, the
 precision its placement implies) and when the engine is built (the model it holds, the free memory)."""
@@ -58,7 +59,9 @@ def engine_cache_tokens(cfg: RolloutConfig, model: ModelConfig, dtype: torch.dty
         return cfg.cache_tokens or DEFAULT_CACHE_TOKENS
     free, share = gpu
     fraction = cfg.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
-    return budget_tokens(gpu_cache_bytes(free, fraction, share), cfg.max_slots, cfg.max_context, slot, token,
+    fits = budget_tokens(gpu_cache_bytes(free, fraction, share), cfg.max_slots, cfg.max_context, slot, token,
                          block_size, knob="rollout.gpu_memory_fraction, or give cache_tokens,",
                          named=f"rollout.gpu_memory_fraction={fraction:g} of {free / GIB:.2f} GiB free x "
                                f"GPU share {min(share, 1.0):g}")
+    # every slot holding a whole max_context sequence is the most the engine can ever use
+    return min(fits, cfg.max_slots * -(-cfg.max_context // block_size) * block_size)

@@ -319,17 +319,19 @@ def test_an_engine_holding_a_sequence_keeps_its_cache(model):
 def test_on_a_gpu_the_default_budget_is_a_share_of_the_free_memory():
     # toy, bfloat16: a slot 3 x (2x64x64 x 4 B state + 3 x 384 x 2 B conv) = 105,216 B; a token 48 x 2 B,
     # a block 1,536 B. 8 GiB free x 0.9 x a quarter of the GPU = 1,932,735,283 B: 8 slots take
-    # 841,728 B, leaving 1,257,743 blocks = 20,123,888 tokens.
-    cfg = RolloutConfig(max_slots=8, groups_per_worker=2, group_size=4, max_context=512)
+    # 841,728 B, leaving 1,257,743 blocks = 20,123,888 tokens (8 slots of 2^23 tokens could use more).
+    cfg = RolloutConfig(max_slots=8, groups_per_worker=2, group_size=4, max_context=1 << 23)
     toy, bf16, free = build_model("toy", vocab_size=300, device="meta").config, torch.bfloat16, 8 << 30
     assert engine_cache_tokens(cfg, toy, bf16, gpu=(free, 0.25)) == 20_123_888
-    # the whole GPU: (7,730,941,132 - 841,728) // 1,536 blocks
-    assert engine_cache_tokens(cfg, toy, bf16, gpu=(free, 1.0)) == 80_521_856
+    # the whole GPU would hold 80,521,856 tokens, more than 8 slots of 2^23 tokens can ever use
+    assert engine_cache_tokens(cfg, toy, bf16, gpu=(free, 1.0)) == 8 << 23
     half = cfg.model_copy(update={"gpu_memory_fraction": 0.5})
     assert engine_cache_tokens(half, toy, bf16, gpu=(free, 0.25)) == (int(free * 0.125) - 8 * 105_216) // 1536 * 16
     # given sizes win, and a CPU engine keeps its fixed default
     assert engine_cache_tokens(cfg.model_copy(update={"cache_tokens": 4096}), toy, bf16, gpu=(free, 0.25)) == 4096
     assert engine_cache_tokens(cfg, toy, torch.float32) == DEFAULT_CACHE_TOKENS
+    # never more than every slot holding a whole max_context sequence: 8 x 512 tokens
+    assert engine_cache_tokens(cfg.model_copy(update={"max_context": 500}), toy, bf16, gpu=(free, 0.25)) == 8 * 512
     with pytest.raises(ValueError, match=r"^rollout.gpu_memory_fraction=0.9 of 0.00 GiB free x GPU share 0.25 "
                                          r"\(230,400 bytes\) cannot hold rollout.max_slots=8 slots[^\n]*$"):
-        engine_cache_tokens(cfg, toy, bf16, gpu=(1_024_000, 0.25))
+        engine_cache_tokens(cfg.model_copy(update={"max_context": 512}), toy, bf16, gpu=(1_024_000, 0.25))
