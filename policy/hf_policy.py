@@ -74,6 +74,13 @@ class HFPolicy(nn.Module):
         full_ent = torch.zeros(B, T - 1, dtype=ent.dtype, device=h.device).masked_scatter(rows, ent)
         return CausalLMOutput(None, token_logprobs=F.pad(full_logp, (1, 0)), token_entropy=F.pad(full_ent, (1, 0)))
 
+    def set_activation_checkpointing(self, on: bool) -> None:
+        """transformers' own per-layer recomputation in backward (non-reentrant)."""
+        if on:
+            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.hf.gradient_checkpointing_disable()
+
     def after_optimizer_step(self) -> dict[str, float]:
         """Nothing to do after a step for these models (no bias balancing, no QK-Clip)."""
         return {}

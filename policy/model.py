@@ -6,6 +6,7 @@ model.output_attn_res_{norm,proj}. checkpoint.py adds the `language_model.` pref
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from kernels.logprobs import linear_token_logprobs
 
@@ -79,12 +81,44 @@ class DecoderLayer(nn.Module):
             return y, c, None
         return self.self_attn(x, cache, use_cache, want_idx_loss, token_mask)
 
-    def ffn(self, x: torch.Tensor, routing: torch.Tensor | None,
-            token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """FFN sublayer: (output, chosen experts [B, T, k] or None for a dense layer)."""
+    def ffn(self, x: torch.Tensor, routing: torch.Tensor | None, token_mask: torch.Tensor | None,
+            record: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """FFN sublayer: (output, chosen experts [B, T, k] or None for a dense layer). `record`:
+        whether a training forward adds to the MoE balancing statistics."""
         if self.is_moe:
-            return self.block_sparse_moe(x, routing, token_mask)
+            return self.block_sparse_moe(x, routing, token_mask, record)
         return self.mlp(x), None
+
+    def step(self, stream: "_Residual", dt: torch.dtype, cache: Any, use_cache: bool, want_idx_loss: bool,
+             routing: torch.Tensor | None, token_mask: torch.Tensor | None, record: bool = True,
+             ) -> tuple["_Residual", Any, torch.Tensor | None, torch.Tensor | None]:
+        """The whole layer on a copy of the residual stream (`stream` is left as it was, so that a
+        recomputation in backward starts from the same state), sublayers in dtype `dt`: (stream after
+        this layer, new layer cache or None, DSA indexer loss or None, chosen experts or None)."""
+        stream = stream.copy()
+        a, c, il = self.mix(self.input_layernorm(stream.attn_input(self)).to(dt), cache, use_cache,
+                            want_idx_loss, token_mask)
+        h = stream.add_attn(self, a)
+        m, idx = self.ffn(self.post_attention_layernorm(h).to(dt), routing, token_mask, record)
+        stream.add_ffn(m)
+        return stream, c, il, idx
+
+    def checkpointed_step(self, stream: "_Residual", dt: torch.dtype, want_idx_loss: bool,
+                          routing: torch.Tensor | None, token_mask: torch.Tensor | None,
+                          ) -> tuple["_Residual", Any, torch.Tensor | None, torch.Tensor | None]:
+        """`step` whose activations are recomputed in backward instead of stored. The recomputation
+        replays the experts the first pass chose (the same routes even where the scores tie) and
+        adds nothing to the MoE statistics (each token is counted once, as without checkpointing)."""
+        first: list[torch.Tensor | None] = []
+
+        def run(stream: _Residual) -> tuple[_Residual, Any, torch.Tensor | None, torch.Tensor | None]:
+            if first:  # the recomputation during backward
+                return self.step(stream, dt, None, False, want_idx_loss, first[0], token_mask, record=False)
+            out = self.step(stream, dt, None, False, want_idx_loss, routing, token_mask)
+            first.append(out[3])
+            return out
+
+        return checkpoint(run, stream, use_reentrant=False)
 
 
 class HybridModel(nn.Module):
@@ -106,6 +140,8 @@ class HybridForCausalLM(nn.Module):
         self.model = HybridModel(cfg)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)  # untied
         self.moe_layer_ids = cfg.moe_layers
+        # recompute each decoder layer in backward instead of storing its activations (training only)
+        self.gradient_checkpointing = False
         self.init_weights()
 
     # ---- init ----------------------------------------------------------------------------
@@ -173,22 +209,23 @@ class HybridForCausalLM(nn.Module):
 
         dt = self.model.embed_tokens.weight.dtype  # sublayers run in the model dtype
         stream = _Residual(self.model.embed_tokens(input_ids), cfg)
+        recompute = (self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+                     and cache is None and not use_cache)
         new_layers: list[Any] = []
         chosen: list[torch.Tensor] = []
         idx_losses: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
-            h = stream.attn_input(layer)
-            a, c, il = layer.mix(layer.input_layernorm(h).to(dt), None if cache is None else cache.layers[i],
-                                 use_cache, return_indexer_loss, token_mask)
+            r = routing[:, :, len(chosen)] if (routing is not None and layer.is_moe) else None
+            if recompute:
+                stream, c, il, idx = layer.checkpointed_step(stream, dt, return_indexer_loss, r, token_mask)
+            else:
+                stream, c, il, idx = layer.step(stream, dt, None if cache is None else cache.layers[i], use_cache,
+                                                return_indexer_loss, r, token_mask)
             new_layers.append(c)
             if il is not None:
                 idx_losses.append(il)
-            h = stream.add_attn(layer, a)
-            r = routing[:, :, len(chosen)] if (routing is not None and layer.is_moe) else None
-            m, idx = layer.ffn(layer.post_attention_layernorm(h).to(dt), r, token_mask)
             if idx is not None:
                 chosen.append(idx)
-            stream.add_ffn(m)
         h = stream.output(self.model)
         real = None if token_mask is None else token_mask.sum(1)  # [B] real tokens per row
         if logits_to_keep == 1 and real is not None:
@@ -246,6 +283,11 @@ class HybridForCausalLM(nn.Module):
                 total += float(moe.replay_total)
         return {"load": load, "routing_agreement": agree / total if total else None}
 
+    def set_activation_checkpointing(self, on: bool) -> None:
+        """Training forwards with grad recompute each decoder layer in backward instead of storing
+        its activations: less memory for about one more forward of compute."""
+        self.gradient_checkpointing = on
+
     def shard_experts(self, group: "torch.distributed.ProcessGroup") -> None:
         """Expert parallelism over `group`: each MoE layer keeps only this rank's routed experts
         (LatentMoE.shard_experts). Every rank builds the same model first, then shards it."""
@@ -284,6 +326,12 @@ class _Residual:
         self.h = x
         self.blocks: list[torch.Tensor] = [x.float()]
         self.partial: torch.Tensor | None = None
+
+    def copy(self) -> "_Residual":
+        """The same tensors in new containers: updating the copy leaves this one as it is."""
+        other = copy.copy(self)
+        other.blocks = list(self.blocks)
+        return other
 
     def _sources(self) -> list[torch.Tensor]:
         return self.blocks if self.partial is None else self.blocks + [self.partial]

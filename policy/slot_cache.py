@@ -85,20 +85,12 @@ class SlotCache:
         device = ref.device if device is None else torch.device(device)
         dtype = ref.dtype if dtype is None else dtype
         self.max_slots, self.num_blocks, self.block_size = max_slots, num_blocks, block_size
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.layers = list(model.model.layers)
+        self._has_mla = any(layer.kind != "kda" for layer in self.layers)
         self._kda: dict[int, KDACache] = {}
         self._mla: dict[int, _MLAPool] = {}
-        for i, layer in enumerate(self.layers):
-            mixer = layer.self_attn
-            if layer.kind == "kda":
-                self._kda[i] = mixer.empty_cache(max_slots, device, dtype)
-            else:
-                rows = num_blocks * block_size
-                ik = (torch.zeros(rows, mixer.indexer.head_dim, device=device, dtype=dtype)
-                      if mixer.sparse else None)
-                self._mla[i] = _MLAPool(torch.zeros(rows, mixer.kv_lora, device=device, dtype=dtype),
-                                        torch.zeros(rows, mixer.rope, device=device, dtype=dtype), ik)
+        self._allocate()
         self.lengths = [0] * max_slots  # tokens each slot's cache holds
         self.tables: list[list[int]] = [[] for _ in range(max_slots)]
         # the block tables again as one tensor, for vectorised position lookups in `view`: as wide as
@@ -107,6 +99,32 @@ class SlotCache:
         self.refs = [0] * num_blocks
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._free_slots = list(range(max_slots - 1, -1, -1))
+
+    def _allocate(self) -> None:
+        for i, layer in enumerate(self.layers):
+            mixer = layer.self_attn
+            if layer.kind == "kda":
+                self._kda[i] = mixer.empty_cache(self.max_slots, self.device, self.dtype)
+            else:
+                rows = self.num_blocks * self.block_size
+                ik = (torch.zeros(rows, mixer.indexer.head_dim, device=self.device, dtype=self.dtype)
+                      if mixer.sparse else None)
+                self._mla[i] = _MLAPool(torch.zeros(rows, mixer.kv_lora, device=self.device, dtype=self.dtype),
+                                        torch.zeros(rows, mixer.rope, device=self.device, dtype=self.dtype), ik)
+
+    @property
+    def released(self) -> bool:
+        return not (self._kda or self._mla)
+
+    def release(self) -> int:
+        """Drop the state and key tensors while no slot is in use (the memory goes back to the
+        allocator; on CUDA, `torch.cuda.empty_cache` returns it to the device). The next `alloc`
+        allocates them again. Returns the bytes dropped; a ValueError while a slot is in use."""
+        if self.free_slots != self.max_slots:
+            raise ValueError(f"SlotCache.release: {self.max_slots - self.free_slots} slot(s) in use")
+        freed = self.nbytes
+        self._kda, self._mla = {}, {}
+        return freed
 
     # ---- sizing ------------------------------------------------------------------------------
     @staticmethod
@@ -142,13 +160,15 @@ class SlotCache:
 
     def blocks_needed(self, slot: int, length: int) -> int:
         """Blocks `slot` must still take to hold `length` tokens."""
-        if not self._mla:
+        if not self._has_mla:
             return 0
         return max(0, -(-length // self.block_size) - len(self.tables[slot]))
 
     def alloc(self) -> int:
         if not self._free_slots:
             raise CacheFull("no free slot")
+        if self.released:
+            self._allocate()
         slot = self._free_slots.pop()
         self.lengths[slot] = 0
         for c in self._kda.values():

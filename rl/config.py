@@ -35,9 +35,12 @@ class ResourcesConfig(Section):
     Separate (colocate: false): the learner holds `learner_gpus` GPUs and each rollout worker its
     own `rollout_gpus` (a fraction packs workers on one GPU: 0.5 puts two on each). Colocated
     (colocate: true): rollout workers have no GPUs of their own; they are spread over the
-    learner's GPUs and share their memory with the learner. (The engines do not yet release their
-    caches while the learner steps: size rollout.cache_gib or cache_tokens to leave the learner
-    room.) Weights then cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
+    learner's GPUs and share their memory with the learner. In a synchronous run
+    (rollout.max_staleness 0) the native engines free their caches before each learner step and
+    allocate them again for the next groups (memory/rollout_cache_released_mb); asynchronous
+    rollouts run through the learner step, so their engines keep their caches: size
+    rollout.cache_gib, cache_tokens or gpu_memory_fraction to leave the learner room. Weights then
+    cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
 
     learner_gpus: int = Field(default=0, ge=0)  # one DeepSpeed rank per GPU
     rollout_gpus: float = Field(default=0.0, ge=0)  # per rollout worker
@@ -141,10 +144,14 @@ class RolloutConfig(Section):
     # the native engine's memory: sequences in cache slots (each with its KDA state), latent keys in
     # blocks of the cache shared by all slots. Size the keys by tokens (cache_tokens) or by memory
     # (cache_gib: the slots' state first, then as many blocks as fit; it must hold one max_context
-    # sequence), not both; neither: 131072 tokens
+    # sequence), not both; neither: 131072 tokens on a CPU, and on a GPU gpu_memory_fraction (default
+    # 0.9) of the memory free once the model is loaded, times the worker's Ray GPU share (colocated
+    # workers share 0.5 of the GPU, so they take 0.45 of it in all; two packed workers 0.45 each),
+    # never more than max_slots sequences of max_context tokens
     max_slots: int = Field(default=64, ge=1)
     cache_tokens: int | None = Field(default=None, ge=64)
     cache_gib: float | None = Field(default=None, gt=0)
+    gpu_memory_fraction: float | None = Field(default=None, gt=0, le=1)
     max_batch_tokens: int = Field(default=2048, ge=16)  # prefill tokens per forward (longer inputs in chunks)
     sync_bucket_mb: int = Field(default=256, ge=1)  # weight pushes to the native engine go in buckets of this size
     # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
@@ -169,6 +176,9 @@ class RolloutConfig(Section):
         if self.cache_tokens is not None and self.cache_gib is not None:
             raise ValueError(f"give rollout.cache_tokens ({self.cache_tokens}) or rollout.cache_gib "
                              f"({self.cache_gib}), not both")
+        if self.gpu_memory_fraction is not None and (self.cache_tokens is not None or self.cache_gib is not None):
+            raise ValueError(f"rollout.gpu_memory_fraction ({self.gpu_memory_fraction}) sizes the cache when "
+                             f"neither cache_tokens nor cache_gib is given: give one of the three")
         return self
 
     @model_validator(mode="after")
@@ -225,6 +235,8 @@ class TrainConfig(Section):
     threads: int = Field(default=2, ge=1)  # torch threads in the learner (rollouts idle while it trains)
     zero_stage: int = Field(default=0, ge=0, le=2)  # ZeRO-3 partitions weights; the push reads whole ones
     updates_per_step: int = Field(default=1, ge=1)  # optimizer steps per batch (mini-batches of whole groups)
+    # recompute each decoder layer's activations in backward instead of storing them (less memory, ~1 more forward)
+    activation_checkpointing: bool = False
     off_policy: OffPolicyConfig = Field(default_factory=lambda: OffPolicyConfig())
 
 
@@ -307,6 +319,17 @@ class RunConfig(Section):
         if self.model.hf_path and self.rollout.record_routing:
             raise ValueError("rollout.record_routing: routing replay needs our hybrid policy; set it to false "
                              "for a transformers policy (model.hf_path)")
+        return self
+
+    @model_validator(mode="after")
+    def _gpu_fraction_on_a_gpu(self) -> "RunConfig":
+        fraction = self.rollout.gpu_memory_fraction
+        if fraction is not None and self.rollout.engine != "native":
+            raise ValueError(f"rollout.gpu_memory_fraction={fraction} sizes the native engine's cache; "
+                             f"rollout.engine: {self.rollout.engine} sizes its own")
+        if fraction is not None and not (self.resources.rollout_gpus > 0 or self.resources.colocate):
+            raise ValueError(f"rollout.gpu_memory_fraction={fraction} sizes a GPU's cache, but the rollout "
+                             f"workers run on CPU: give rollout.cache_tokens or cache_gib")
         return self
 
     @model_validator(mode="after")

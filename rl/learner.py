@@ -64,6 +64,7 @@ class Learner:
         torch.manual_seed(seed)
         self.model_spec = model_spec
         model = build_policy(model_spec)
+        model.set_activation_checkpointing(train_cfg.activation_checkpointing)
         self.cfg = train_cfg
         self.loss_cfg = loss_cfg
         self.temperature = temperature

@@ -149,3 +149,11 @@ def actor_device() -> torch.device:
         raise RuntimeError(f"Ray gave this actor GPU(s) {ray.get_gpu_ids()} but torch sees no CUDA device")
     torch.cuda.set_device(0)
     return torch.device("cuda", 0)
+
+
+def actor_gpu_share() -> float:
+    """The share of its GPU Ray gave the calling actor (at most 1; 1 outside Ray): what the native
+    engine's default cache budget scales by."""
+    if not ray.is_initialized():
+        return 1.0
+    return min(ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0), 1.0)

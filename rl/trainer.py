@@ -229,11 +229,15 @@ class Trainer:
         busy = _EngineClock(actors.rollout_workers)
         health = _EnvHealth(actors.env_workers)
         hacks = HackMonitor()  # its history starts again on resume: a flag needs 2 windows of this process
+        # colocated engines free their caches while the learner steps; asynchronous rollouts run
+        # through the step (their engines hold sequences), so only a synchronous run asks
+        release = cfg.resources.colocate and cfg.rollout.max_staleness == 0
         with progress:
             for step in range(start_step, cfg.train.steps):
                 t0 = time.monotonic()
                 batch_ref, report = ray.get(actors.scheduler.next_batch.remote(step))
                 t1 = time.monotonic()
+                released_mb = release_rollout_caches(actors.rollout_workers) if release else None
                 trained = ray.get(actors.learner.train_step.remote(batch_ref[0]))  # resolved by Ray, never here
                 t2 = time.monotonic()
                 sync_s = self._push_weights(step + 1)
@@ -253,6 +257,8 @@ class Trainer:
                 })
                 hack_metrics, hack_warnings = hacks.observe(step, responses_from_records(report.records))
                 metrics.update(hack_metrics)
+                if released_mb is not None:
+                    metrics["memory/rollout_cache_released_mb"] = released_mb
                 for line in hack_warnings:
                     self.say(line)
                 logger.log(step, metrics)
@@ -282,6 +288,18 @@ class Trainer:
         if errors:
             self.say(f"step {step}: {len(errors)} sample(s) could not be graded and scored 0; "
                      f"latest ({errors[-1]['env']}): {errors[-1]['error']}")
+
+
+def release_rollout_caches(workers: list) -> float:
+    """Every rollout worker frees its engine's cache if it holds no sequence (it is allocated again
+    for the next group); the MiB freed in all. A worker restarting holds no cache to free."""
+    freed = 0
+    for ref in [w.release_cache.remote() for w in workers]:
+        try:
+            freed += ray.get(ref)
+        except ray.exceptions.RayError:
+            pass
+    return freed / (1 << 20)
 
 
 class _EnvHealth:

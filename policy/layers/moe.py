@@ -166,16 +166,18 @@ class LatentMoE(nn.Module):
         self.ep_group = group
 
     def route(self, x: torch.Tensor, routing: torch.Tensor | None = None,
-              real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              real: torch.Tensor | None = None, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (weights [N, k] float32, indices [N, k] long). `routing` replays indices
         (-1: not recorded, choose as usual); `real` [N] bool: the tokens the balancing statistics
-        count (padding is routed but never counted)."""
+        count (padding is routed but never counted); `record`: whether a training forward counts
+        (an activation-checkpointing recomputation does not)."""
         scores = self.gate(x)
         with torch.no_grad():
             idx = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1).indices
+        record = record and self.training
         replay = scores.new_zeros(2)
         if routing is not None:
-            if self.training:  # how often the learner's own choice equals the rollout's (the set of k)
+            if record:  # how often the learner's own choice equals the rollout's (the set of k)
                 with torch.no_grad():
                     recorded = (routing >= 0).all(-1)
                     same = (routing.sort(-1).values == idx.sort(-1).values).all(-1)
@@ -184,7 +186,7 @@ class LatentMoE(nn.Module):
         w = scores.gather(1, idx)
         if self.renorm:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        if self.training:  # replayed routing counts too: it is the load the step actually used
+        if record:  # replayed routing counts too: it is the load the step actually used
             self._record(scores.detach(), idx, real, replay)
         return w * self.scaling, idx
 
@@ -234,8 +236,9 @@ class LatentMoE(nn.Module):
         self.replay_total.zero_()
 
     def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, T, d]; routing: [B, T, k] or None; token_mask [B, T] bool: real tokens.
+                token_mask: torch.Tensor | None = None, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, d]; routing: [B, T, k] or None; token_mask [B, T] bool: real tokens; record:
+        whether a training forward adds to the balancing statistics.
         Returns (y [B, T, d], indices [B, T, k])."""
         B, T, d = x.shape
         flat = x.reshape(-1, d)
@@ -243,7 +246,7 @@ class LatentMoE(nn.Module):
         if routing is not None:
             r = routing.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
         real = None if token_mask is None else token_mask.reshape(-1).to(x.device)
-        w, idx = self.route(flat, r, real)
+        w, idx = self.route(flat, r, real, record)
         z = self.routed_expert_down_proj(flat) if self.latent is not None else flat
         y = self.experts(z, w, idx, self.ep_group)
         y = y.to(x.dtype)

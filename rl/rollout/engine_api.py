@@ -83,6 +83,11 @@ class RolloutEngine(abc.ABC):
     async def update_weights(self, weights: WeightUpdate, version: int) -> None:
         """Load new weights between two forward passes. Sequences in flight continue under them."""
 
+    async def release_cache(self) -> int:
+        """Free cache memory while no sequence is open, allocated again when one opens; the bytes
+        freed. Engines whose memory is not theirs to release (vLLM, transformers) free nothing."""
+        return 0
+
     def stats(self) -> EngineStats:
         return EngineStats()
 

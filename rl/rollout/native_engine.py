@@ -129,6 +129,18 @@ class NativeEngine(RolloutEngine):
         async with self._lock:
             self.version = await asyncio.to_thread(load, self.model)
 
+    async def release_cache(self) -> int:
+        """Free the cache's memory while the engine holds no sequence (a colocated learner steps
+        meanwhile); the next sequence allocates it again. Returns the bytes freed (0 when busy)."""
+        self._ensure_loop()
+        async with self._lock:
+            if self.seqs or self.cache.released:
+                return 0
+            freed = self.cache.release()
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+            return freed
+
     def stats(self) -> EngineStats:
         s = self._stats
         s.running = sum(q.slot is not None for q in self.seqs.values())

@@ -42,7 +42,7 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
     if cfg.engine == "native":
         from policy import build_policy, load_policy
 
-        from rl.placement import actor_device
+        from rl.placement import actor_device, actor_gpu_share
         from rl.rollout.cache_budget import engine_cache_tokens
         from rl.rollout.native_engine import NativeEngine
 
@@ -51,7 +51,9 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
         device = actor_device()  # the engine runs where its model is, in the learner's precision there
         model = params_to((load_policy(saved) if saved else build_policy(model_spec)).to(device),
                           device_precision(device))
-        cache_tokens = engine_cache_tokens(cfg, model.config, model.lm_head.weight.dtype)
+        # on a GPU the default budget is a share of what is free now that the model is loaded
+        gpu = (torch.cuda.mem_get_info(device)[0], actor_gpu_share()) if device.type == "cuda" else None
+        cache_tokens = engine_cache_tokens(cfg, model.config, model.lm_head.weight.dtype, gpu=gpu)
         engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cache_tokens,
                               max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing)
         engine.version = version
@@ -123,6 +125,11 @@ class RolloutWorker:
     async def pull_weights(self, ticket: SyncTicket | None) -> int:
         """Take one sync from the learner (ticket None: over the broadcast group); the version held."""
         return await self.weight_sink.pull(self.engine, ticket)
+
+    async def release_cache(self) -> int:
+        """Free the engine's cache memory if it holds no sequence (rl.trainer asks before a
+        colocated learner steps); the bytes freed. An engine not built yet holds nothing."""
+        return 0 if self._engine is None else await self._engine.release_cache()
 
     async def stats(self) -> EngineStats:
         return self.engine.stats()

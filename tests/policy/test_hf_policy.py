@@ -91,3 +91,29 @@ def test_build_policy_serves_both_kinds(tmp_path):
         build_policy({})
     with pytest.raises(ValueError, match="routing replay"):
         hf(ids, routing=torch.zeros(1, 5, 1, 1, dtype=torch.long))
+
+
+def test_activation_checkpointing_keeps_the_gradient_and_stores_less():
+    policy = HFPolicy(tiny_hf_model("llama")).train()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+
+    def step() -> tuple[int, list[torch.Tensor]]:
+        stored = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:  # bytes kept for backward outside checkpointed layers
+            nonlocal stored
+            stored += t.numel() * t.element_size()
+            return t
+
+        policy.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = policy(ids).token_logprobs.sum()
+        loss.backward()
+        return stored, [p.grad.clone() for p in policy.parameters()]
+
+    stored, grads = step()
+    policy.set_activation_checkpointing(True)
+    stored_ckpt, grads_ckpt = step()
+    assert stored_ckpt < stored
+    for a, b in zip(grads, grads_ckpt):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

@@ -3,7 +3,8 @@
 Each rank trains on half of a batch (data parallel) with half of the routed experts (EP=2); the
 summed loss, the gradients (non-expert ones all-reduced, expert ones on their owner), the MoE
 statistics and the weights and router biases after one AdamW step must be one rank's on the whole
-batch with all the experts.
+batch with all the experts; also with the sharded model's layers checkpointed (their recomputation
+exchanges tokens again in backward, and counts no statistics twice).
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def _close(actual, expected, name: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def _check_balance_mode(rank: int, balance: str, tmp_dir: Path) -> None:
+def _check_balance_mode(rank: int, balance: str, tmp_dir: Path, checkpointing: bool = False) -> None:
     cfg = tiny(balance=balance, bias_update_rate=0.01)
     batch = _batch(cfg)
     n_targets = float(batch[1][:, 1:].sum())
@@ -94,6 +95,7 @@ def _check_balance_mode(rank: int, balance: str, tmp_dir: Path) -> None:
 
     model = _model(cfg)
     model.shard_experts(dist.group.WORLD)
+    model.set_activation_checkpointing(checkpointing)
     ep = _train_step(model, [halves[rank]], n_targets, _all_reduce_dense_grads)
     dist.all_reduce(ep["loss"])
 
@@ -116,8 +118,8 @@ def _rank(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        for balance in ("bias", "quantile"):
-            _check_balance_mode(rank, balance, Path(init_file).parent)
+        for balance, checkpointing in (("bias", False), ("quantile", False), ("quantile", True)):
+            _check_balance_mode(rank, balance, Path(init_file).parent, checkpointing)
         with pytest.raises(ValueError, match="num_experts 3 is not divisible by the group size 2"):
             build_model(tiny(num_experts=3)).shard_experts(dist.group.WORLD)
     finally:

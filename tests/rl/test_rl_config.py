@@ -45,6 +45,12 @@ def test_overrides_are_typed(tmp_path):
          "config error: 'rollout': give rollout.cache_tokens (4096) or rollout.cache_gib (1.0), not both"),
         (["rollout.cache_gib=0.0001"], "rollout.cache_gib=0.0001 (107,374 bytes) cannot hold rollout.max_slots=64 "
                                        "slots (112,128 bytes each) plus one rollout.max_context=32768-token sequence"),
+        (["rollout.gpu_memory_fraction=1.5", "resources.rollout_gpus=1"],
+         "config error: 'rollout.gpu_memory_fraction': Input should be less than or equal to 1"),
+        (["rollout.gpu_memory_fraction=0.5", "rollout.cache_gib=1", "resources.rollout_gpus=1"],
+         "rollout.gpu_memory_fraction (0.5) sizes the cache when neither cache_tokens nor cache_gib is given"),
+        (["rollout.gpu_memory_fraction=0.5"], "rollout.gpu_memory_fraction=0.5 sizes a GPU's cache, but the "
+                                              "rollout workers run on CPU: give rollout.cache_tokens or cache_gib"),
     ],
 )
 def test_bad_values_fail_with_one_line_naming_the_key(tmp_path, overrides, expected):

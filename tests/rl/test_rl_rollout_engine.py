@@ -12,6 +12,7 @@ import torch
 from policy import build_model
 from policy.slot_cache import SlotCache
 from rl.config import RolloutConfig
+from rl.rollout.cache_budget import DEFAULT_CACHE_TOKENS, engine_cache_tokens
 from rl.rollout.engine_api import SamplingParams
 from rl.rollout.native_engine import NativeEngine
 from rl.rollout.worker import build_engine
@@ -312,3 +313,53 @@ def test_weights_updated_mid_turn_label_each_token_with_the_version_that_sampled
     out = asyncio.run(run())
     assert out.versions == sorted(out.versions) and out.versions[0] == 3 and out.versions[-1] == 4
     assert 5 <= out.versions.count(3) < 300 and len(out.versions) == len(out.tokens) == 300
+
+
+def test_a_released_cache_frees_its_memory_and_generates_as_one_never_released(model):
+    first, second = prompts(2), {f"h{k}": v for k, v in prompts(3).items()}
+    kept, released = (engine(model, max_slots=8, cache_tokens=1024) for _ in range(2))
+    held = released.cache.nbytes
+    for e in (kept, released):
+        asyncio.run(play(e, first))
+    assert asyncio.run(released.release_cache()) == held > 0
+    assert released.cache.nbytes == 0
+    assert asyncio.run(released.release_cache()) == 0  # nothing left to free
+    for greedy in (True, False):
+        assert tokens_of(asyncio.run(play(released, second, greedy=greedy))) == \
+            tokens_of(asyncio.run(play(kept, second, greedy=greedy)))
+    assert released.cache.nbytes == held  # allocated again, in full
+
+
+def test_an_engine_holding_a_sequence_keeps_its_cache(model):
+    e = engine(model, max_slots=4, cache_tokens=256)
+
+    async def open_then_release() -> int:
+        await e.start_group(["a/0"], [11, 12, 13])
+        await e.generate("a/0", [], params(1, greedy=True, n=2))  # in a slot now
+        return await e.release_cache()
+
+    held = e.cache.nbytes
+    assert asyncio.run(open_then_release()) == 0 and e.cache.nbytes == held
+    with pytest.raises(ValueError, match=r"^SlotCache.release: 1 slot\(s\) in use$"):
+        e.cache.release()
+
+
+def test_on_a_gpu_the_default_budget_is_a_share_of_the_free_memory():
+    # toy, bfloat16: a slot 3 x (2x64x64 x 4 B state + 3 x 384 x 2 B conv) = 105,216 B; a token 48 x 2 B,
+    # a block 1,536 B. 8 GiB free x 0.9 x a quarter of the GPU = 1,932,735,283 B: 8 slots take
+    # 841,728 B, leaving 1,257,743 blocks = 20,123,888 tokens (8 slots of 2^23 tokens could use more).
+    cfg = RolloutConfig(max_slots=8, groups_per_worker=2, group_size=4, max_context=1 << 23)
+    toy, bf16, free = build_model("toy", vocab_size=300, device="meta").config, torch.bfloat16, 8 << 30
+    assert engine_cache_tokens(cfg, toy, bf16, gpu=(free, 0.25)) == 20_123_888
+    # the whole GPU would hold 80,521,856 tokens, more than 8 slots of 2^23 tokens can ever use
+    assert engine_cache_tokens(cfg, toy, bf16, gpu=(free, 1.0)) == 8 << 23
+    half = cfg.model_copy(update={"gpu_memory_fraction": 0.5})
+    assert engine_cache_tokens(half, toy, bf16, gpu=(free, 0.25)) == (int(free * 0.125) - 8 * 105_216) // 1536 * 16
+    # given sizes win, and a CPU engine keeps its fixed default
+    assert engine_cache_tokens(cfg.model_copy(update={"cache_tokens": 4096}), toy, bf16, gpu=(free, 0.25)) == 4096
+    assert engine_cache_tokens(cfg, toy, torch.float32) == DEFAULT_CACHE_TOKENS
+    # never more than every slot holding a whole max_context sequence: 8 x 512 tokens
+    assert engine_cache_tokens(cfg.model_copy(update={"max_context": 500}), toy, bf16, gpu=(free, 0.25)) == 8 * 512
+    with pytest.raises(ValueError, match=r"^rollout.gpu_memory_fraction=0.9 of 0.00 GiB free x GPU share 0.25 "
+                                         r"\(230,400 bytes\) cannot hold rollout.max_slots=8 slots[^\n]*$"):
+        engine_cache_tokens(cfg.model_copy(update={"max_context": 512}), toy, bf16, gpu=(1_024_000, 0.25))
