@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from rl.weight_sync import SyncSpec, open_weight_sync, sync_weights
+    from rl.weight_sync import ActorSource, SyncSpec, open_weight_sync, sync_weights
 
     dtype = getattr(torch, args.dtype)
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
@@ -159,7 +159,7 @@ def main() -> None:
     for transport in args.transports:
         if transport != "state_dict":
             spec = SyncSpec(transport=transport, bucket_bytes=int(args.bucket_mb * 2**20), backend=args.backend)
-            spec = open_weight_sync(sender, receivers, spec)
+            spec = open_weight_sync(ActorSource(sender), receivers, spec)
         sync_times, push_times, buckets = [], [], 1
         for i in range(args.iters + 1):
             t = time.perf_counter()
@@ -168,7 +168,7 @@ def main() -> None:
                 ray.get([r.load_state.remote(state) for r in receivers])
                 del state
             else:
-                buckets = sync_weights(spec, sender, receivers, version=i, full=True).buckets
+                buckets = sync_weights(spec, ActorSource(sender), receivers, version=i, full=True).buckets
             if i:  # the first sync warms up (NCCL communicators, allocator)
                 sync_times.append(time.perf_counter() - t)
                 push_times.append(ray.get(sender.last_push_s.remote()))

@@ -31,9 +31,10 @@ def build_policy(spec: Mapping[str, Any]) -> nn.Module:
     return model
 
 
-def save_policy(model: nn.Module, path: str) -> None:
+def save_policy(model: nn.Module, path: str, state: dict[str, torch.Tensor] | None = None) -> None:
     """Either kind of policy in the layout its serving engines read: kimi_k3 for our hybrid,
-    transformers' own for a transformers model."""
+    transformers' own for a transformers model. `state`: the tensors to write instead of the
+    model's own (our hybrid's experts gathered from expert-parallel ranks)."""
     from .hf_policy import HFPolicy
 
     if isinstance(model, HFPolicy):
@@ -41,7 +42,7 @@ def save_policy(model: nn.Module, path: str) -> None:
     else:
         from .checkpoint import save_pretrained
 
-        save_pretrained(model, path)
+        save_pretrained(model, path, state=state)
 
 
 def load_policy(path: str) -> nn.Module:

@@ -323,12 +323,13 @@ def from_hf_state_dict(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
 # ---------------------------------------------------------------------------------- save/load
 def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = None,
                     max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
-                    mxfp4_experts: bool = False) -> None:
+                    mxfp4_experts: bool = False, state: dict[str, torch.Tensor] | None = None) -> None:
     """Write config.json + safetensors (sharded with an index above max_shard_bytes).
     dtype casts the floating tensors except those K3 keeps in float32; mxfp4_experts stores the
-    routed experts as MXFP4 (compressed-tensors layout, as the K3 release does)."""
+    routed experts as MXFP4 (compressed-tensors layout, as the K3 release does). `state` is written
+    instead of the model's own (an expert-parallel model's `full_state_dict()`)."""
     cfg: ModelConfig = model.config
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    state = {k: v.detach() for k, v in (model.state_dict() if state is None else state).items()}
     if any(v.is_meta for v in state.values()):
         raise ValueError("save_pretrained: the model is on the meta device; nothing to save")
     held = {v.shape[0] for k, v in state.items() if k.endswith(".experts.w1")}

@@ -142,6 +142,7 @@ class HybridForCausalLM(nn.Module):
         self.moe_layer_ids = cfg.moe_layers
         # recompute each decoder layer in backward instead of storing its activations (training only)
         self.gradient_checkpointing = False
+        self.data_parallel_group = None  # set_data_parallel: the ranks training this model together
         self.init_weights()
 
     # ---- init ----------------------------------------------------------------------------
@@ -262,7 +263,7 @@ class HybridForCausalLM(nn.Module):
                 layer.block_sparse_moe.update_bias()
             if isinstance(layer.self_attn, MLAMixer):
                 if self.config.qk_clip_tau is not None:
-                    gamma = layer.self_attn.qk_clip(self.config.qk_clip_tau)
+                    gamma = layer.self_attn.qk_clip(self.config.qk_clip_tau, self.data_parallel_group)
                     clipped += int((gamma < 1).sum())
                 else:
                     layer.self_attn.qk_max.fill_(float("-inf"))
@@ -294,6 +295,31 @@ class HybridForCausalLM(nn.Module):
         for layer in self.model.layers:
             if layer.is_moe:
                 layer.block_sparse_moe.shard_experts(group)
+
+    def set_data_parallel(self, group: "torch.distributed.ProcessGroup") -> None:
+        """Training on several ranks, each on its own rows: the statistics that move weights outside
+        the optimizer (MoE load for the balancing bias, QK-Clip's largest logit) are combined over
+        `group`, so every replica takes the same update."""
+        self.data_parallel_group = group
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.block_sparse_moe.stats_group = group
+
+    def routed_expert_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of every MoE layer's stacked routed experts: what shard_experts splits."""
+        return [(f"model.layers.{i}.block_sparse_moe.experts.{w}", getattr(layer.block_sparse_moe.experts, w))
+                for i, layer in enumerate(self.model.layers) if layer.is_moe for w in ("w1", "w2", "w3")]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict with every routed expert. On an expert-parallel model each sharded layer's
+        experts are gathered onto the first rank of its group: a collective, every rank calls it; only
+        that rank's result is whole."""
+        state = {k: v.detach() for k, v in self.state_dict().items()}
+        for i, layer in enumerate(self.model.layers):
+            if layer.is_moe and layer.block_sparse_moe.ep_group is not None:
+                for w, t in layer.block_sparse_moe.gathered_experts().items():
+                    state[f"model.layers.{i}.block_sparse_moe.experts.{w}"] = t
+        return state
 
     def set_dsa_stage(self, stage: str) -> None:
         """'warmup': dense attention, only the indexer learns (KL to it); 'sparse': top-k attention."""

@@ -15,6 +15,7 @@ from rl.grpo import LossConfig
 from rl.placement import Placement, check_cluster, plan_placement
 
 REPO = Path(__file__).resolve().parents[1]
+ENV_WORKER_CPUS = 0.25
 
 
 def actor_env() -> dict[str, str]:
@@ -47,7 +48,8 @@ def start_ray(cfg: RunConfig) -> bool:
                  runtime_env={"env_vars": actor_env()})
         started = True
     try:
-        check_cluster(plan_placement(cfg.resources, cfg.rollout.num_workers, cfg.rollout.worker_cpus))
+        check_cluster(plan_placement(cfg.resources, cfg.rollout.num_workers, cfg.rollout.worker_cpus),
+                      ENV_WORKER_CPUS * cfg.rollout.env_workers)
     except RunRefused:
         if started:
             ray.shutdown()
@@ -60,23 +62,19 @@ class RunActors:
     env_workers: list
     rollout_workers: list
     scheduler: Any
-    learner: Any | None
+    learner: Any | None  # a LearnerGroup
     placement: Placement | None = None
 
     def shutdown(self) -> None:
         if self.learner is not None:
-            try:
-                ray.get(self.learner.shutdown.remote(), timeout=30)
-            except Exception:
-                pass
+            self.learner.shutdown()
         for worker in [*self.env_workers, *self.rollout_workers]:  # grader actors, sandboxes, engine processes
             try:
                 ray.get((worker.close if worker in self.env_workers else worker.shutdown).remote(), timeout=30)
             except Exception:
                 pass
-        for actor in [*self.rollout_workers, *self.env_workers, self.scheduler, self.learner]:
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
+        for actor in [*self.rollout_workers, *self.env_workers, self.scheduler]:
+            ray.kill(actor, no_restart=True)
         if self.placement is not None:
             self.placement.release()
 
@@ -121,7 +119,7 @@ def start_env_side(cfg: RunConfig, run_id: str) -> list:
     grading = {"num_actors": cfg.grader.num_workers, "timeout_s": cfg.grader.timeout_s, "retries": cfg.grader.retries}
     # threaded: many rollout workers' episodes at once, one slow tool call never stalls the others
     return [
-        ray.remote(EnvWorker).options(num_cpus=0.25, name=env_worker_name(run_id, i), max_restarts=2,
+        ray.remote(EnvWorker).options(num_cpus=ENV_WORKER_CPUS, name=env_worker_name(run_id, i), max_restarts=2,
                                       max_concurrency=64)
         .remote(env_specs, grading, run_id, cfg.sandbox_backend, cfg.rollout.group_size)
         for i in range(cfg.rollout.env_workers)
@@ -131,16 +129,13 @@ def start_env_side(cfg: RunConfig, run_id: str) -> list:
 def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokenizer_dir: str, pad_id: int,
                       env_workers: list, with_learner: bool = True) -> RunActors:
     """Rollout workers, the learner and the scheduler that feeds the workers."""
-    from rl.learner import Learner
+    from rl.learner_group import LearnerGroup
     from rl.rollout.worker import RolloutWorker
     from rl.rollout.scheduler import RolloutScheduler, SamplingPlan
 
     # environment workers by name, not handle: a restartable actor whose constructor holds actor
     # handles is one Ray warns may fail to restart
     env_names = [env_worker_name(run_id, i) for i in range(len(env_workers))]
-    if cfg.resources.learner_gpus > 1:
-        raise RunRefused(f"resources: learner_gpus={cfg.resources.learner_gpus}, but the learner runs one rank "
-                         f"(one GPU) today")
     placement = Placement(plan_placement(cfg.resources, cfg.rollout.num_workers, cfg.rollout.worker_cpus,
                                          with_learner))
     rollout_workers = [
@@ -152,9 +147,8 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
     ]
     learner = None
     if with_learner:
-        learner = ray.remote(Learner).options(**placement.options(placement.plan.learner[0]),
-                                              name=f"learner-{run_id}").remote(
-            spec, cfg.train, loss_config(cfg), cfg.rollout.temperature, pad_id, cfg.seed)
+        learner = LearnerGroup(spec, cfg.train, loss_config(cfg), cfg.rollout.temperature, pad_id, cfg.seed,
+                               [placement.options(slot) for slot in placement.plan.learner], name=f"learner-{run_id}")
     names = [e.name for e in cfg.envs]
     first = env_workers[0]
     task_ids = {name: {split: ray.get(first.task_ids.remote(name, split)) for split in ("train", "heldout")}

@@ -43,11 +43,21 @@ class ResourcesConfig(Section):
     cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
 
     learner_gpus: int = Field(default=0, ge=0)  # one DeepSpeed rank per GPU
+    # the learner's DeepSpeed ranks (data parallel; train.expert_parallel of them share the experts):
+    # None means one per learner GPU, or one CPU process without GPUs
+    learner_ranks: int | None = Field(default=None, ge=1)
     rollout_gpus: float = Field(default=0.0, ge=0)  # per rollout worker
     colocate: bool = False
 
+    @property
+    def ranks(self) -> int:
+        return self.learner_ranks or max(self.learner_gpus, 1)
+
     @model_validator(mode="after")
     def _coherent(self) -> "ResourcesConfig":
+        if self.learner_gpus and self.learner_ranks not in (None, self.learner_gpus):
+            raise ValueError(f"learner_ranks={self.learner_ranks}: with learner_gpus={self.learner_gpus} the "
+                             f"learner runs one rank per GPU; leave learner_ranks out or make it equal")
         if self.rollout_gpus > 1 and self.rollout_gpus != int(self.rollout_gpus):
             raise ValueError(f"rollout_gpus={self.rollout_gpus}: above 1, a worker takes whole GPUs")
         if self.colocate and self.learner_gpus == 0:
@@ -224,6 +234,7 @@ class TrainConfig(Section):
     lr: float = Field(default=1e-4, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
+    adam_eps: float = Field(default=1e-8, gt=0)
     grad_clip: float = Field(default=1.0, gt=0)
     micro_batches: int = Field(default=1, ge=1)
     eps_low: float = Field(default=0.2, gt=0)
@@ -237,6 +248,9 @@ class TrainConfig(Section):
     updates_per_step: int = Field(default=1, ge=1)  # optimizer steps per batch (mini-batches of whole groups)
     # recompute each decoder layer's activations in backward instead of storing them (less memory, ~1 more forward)
     activation_checkpointing: bool = False
+    # ranks that split each MoE layer's routed experts among them (1: every rank holds all); divides
+    # resources.ranks and the model's expert count; needs zero_stage 1 or 2
+    expert_parallel: int = Field(default=1, ge=1)
     off_policy: OffPolicyConfig = Field(default_factory=lambda: OffPolicyConfig())
 
 
@@ -346,6 +360,27 @@ class RunConfig(Section):
         on_gpu = self.resources.rollout_gpus > 0 or self.resources.colocate
         dtype = device_precision(torch.device("cuda" if on_gpu else "cpu"))
         engine_cache_tokens(self.rollout, get_config(self.model.preset, **self.model.overrides), dtype)
+        return self
+
+    @model_validator(mode="after")
+    def _expert_parallel_fits(self) -> "RunConfig":
+        ep, ranks = self.train.expert_parallel, self.resources.ranks
+        if ep == 1:
+            return self
+        if ranks % ep:
+            raise ValueError(f"train.expert_parallel={ep} must divide the learner's ranks "
+                             f"(resources.learner_ranks / learner_gpus: {ranks})")
+        if self.train.zero_stage not in (1, 2):
+            raise ValueError(f"train.expert_parallel={ep} needs train.zero_stage 1 or 2 (DeepSpeed then reduces "
+                             f"only the replicated parameters), got {self.train.zero_stage}")
+        if self.model.hf_path:
+            raise ValueError("train.expert_parallel > 1 shards our hybrid's LatentMoE experts; a transformers "
+                             "policy (model.hf_path) trains data-parallel only")
+        from policy.config import get_config
+
+        experts = get_config(self.model.preset, **self.model.overrides).num_experts
+        if experts % ep:
+            raise ValueError(f"train.expert_parallel={ep} must divide the model's {experts} routed experts")
         return self
 
     @model_validator(mode="after")

@@ -106,6 +106,17 @@ class TrainBatch:
         )
 
 
+def inert_row(batch: TrainBatch) -> TrainBatch:
+    """One row that trains nothing: the first token of `batch`'s first row, real (so every attention
+    row has a key) but no target. A data-parallel rank left without rows runs it, so that it still
+    takes part in every collective of the forward and backward."""
+    first = lambda t: None if t is None else t[:1, :1]  # noqa: E731
+    return TrainBatch(first(batch.input_ids), torch.zeros_like(first(batch.loss_mask)),
+                      first(batch.behavior_logprobs), torch.zeros_like(batch.advantages[:1]), first(batch.routing),
+                      first(batch.ref_logprobs), torch.ones_like(first(batch.input_ids), dtype=torch.bool),
+                      first(batch.prox_logprobs), first(batch.versions), batch.row_domains[:1])
+
+
 def collate(samples: Sequence[Sample], advantages: np.ndarray, pad_id: int) -> TrainBatch:
     """Right-pad samples into tensors. Padding is never a target and never a real token: it reaches
     neither the loss nor the MoE balancing statistics."""
@@ -198,13 +209,38 @@ def grpo_token_losses(
     return loss, stats
 
 
+def _data_parallel() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def global_sum(value: float) -> float:
     """Sum a scalar over data-parallel ranks (a no-op on one process)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _data_parallel():
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t.item())
     return value
+
+
+def global_sums(values: dict[str, float]) -> dict[str, float]:
+    """Combine per-rank statistics over data-parallel ranks: `*_min` by min, `*_max` by max, the rest
+    summed. Ranks may hold different keys (domains only some of them trained on)."""
+    if not _data_parallel():
+        return dict(values)
+    every: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, values)
+    out: dict[str, float] = {}
+    for part in every:
+        for name, value in part.items():
+            if name not in out:
+                out[name] = value
+            elif name.endswith("_min"):
+                out[name] = min(out[name], value)
+            elif name.endswith("_max"):
+                out[name] = max(out[name], value)
+            else:
+                out[name] += value
+    return out
 
 
 def loss_normaliser(batch: TrainBatch, cfg: LossConfig) -> float:
@@ -237,11 +273,10 @@ def accumulate_policy_gradient(
     backward: Callable[[torch.Tensor], None] = lambda loss: loss.backward(),
 ) -> dict[str, float]:
     """Forward/backward every micro-batch; gradients sum to those of the whole batch at once.
-    Returns token-mean statistics, including per-domain mismatch (`mismatch/domain/<d>`)."""
+    Returns token-mean statistics, including per-domain mismatch (`mismatch/domain/<d>`), over the
+    rows of every data-parallel rank (each passes its own share of the batch)."""
     normaliser = loss_normaliser(batch, cfg)
-    totals: dict[str, float] = defaultdict(float)
-    is_weights: list[torch.Tensor] = []
-    domain_tokens: dict[str, float] = defaultdict(float)
+    sums: dict[str, float] = defaultdict(float)
     for rows in split_rows(len(batch), micro_batches):
         micro = batch.slice(rows)
         out = policy_forward(model, micro)
@@ -250,28 +285,43 @@ def accumulate_policy_gradient(
         mask = micro.loss_mask
         loss = (losses * mask).sum() / normaliser
         backward(loss)
-        totals["loss"] += float(loss.detach())
-        totals["entropy"] += float((out.token_entropy * mask).sum())
+        sums["loss"] += float(loss.detach())
+        sums["entropy"] += float((out.token_entropy * mask).sum())
         for name, value in stats.items():
-            totals[name] += float((value * mask).sum())
+            sums[name] += float((value * mask).sum())
         if "is_weight" in stats:
-            is_weights.append(stats["is_weight"][mask > 0])
+            w = stats["is_weight"][mask > 0].double()
+            if w.numel():
+                sums["is_weight_n"] += w.numel()
+                sums["is_weight_sq"] += float((w * w).sum())
+                sums["is_weight_min"] = min(sums.get("is_weight_min", float("inf")), float(w.min()))
+                sums["is_weight_max"] = max(sums.get("is_weight_max", float("-inf")), float(w.max()))
         for r, domain in enumerate(micro.row_domains):
-            totals[f"mismatch/domain/{domain}"] += float((stats["mismatch"][r] * mask[r]).sum())
-            domain_tokens[domain] += float(mask[r].sum())
-    tokens = float(batch.loss_mask.sum())
-    metrics = {"loss": totals.pop("loss")}
-    for name, value in totals.items():
+            sums[f"mismatch/domain/{domain}"] += float((stats["mismatch"][r] * mask[r]).sum())
+            sums[f"domain_tokens/{domain}"] += float(mask[r].sum())
+        sums["tokens"] += float(mask.sum())
+    return _token_means(global_sums(sums))
+
+
+def _token_means(sums: dict[str, float]) -> dict[str, float]:
+    """The step's statistics from the sums over every rank's micro-batches: token means (per-domain
+    mismatch over that domain's tokens), the loss as summed, the importance weights' spread."""
+    tokens = sums.pop("tokens")
+    n_weights = sums.pop("is_weight_n", 0.0)
+    sq, lo, hi = (sums.pop(k, None) for k in ("is_weight_sq", "is_weight_min", "is_weight_max"))
+    domain_tokens = {k.split("/", 1)[1]: sums.pop(k) for k in list(sums) if k.startswith("domain_tokens/")}
+    metrics = {"loss": sums.pop("loss")}
+    for name, value in sums.items():
         if name.startswith("mismatch/domain/"):
             metrics[name] = value / max(domain_tokens[name.rsplit("/", 1)[1]], 1.0)
         else:
             metrics[name] = value / max(tokens, 1.0)
     if "is_masked" in metrics:
         metrics["is_masked_frac"] = metrics.pop("is_masked")
-    if is_weights and sum(w.numel() for w in is_weights):
-        w = torch.cat(is_weights).double()
-        metrics.pop("is_weight", None)
-        metrics.update({"is_weight_mean": float(w.mean()), "is_weight_std": float(w.std()) if w.numel() > 1 else 0.0,
-                        "is_weight_min": float(w.min()), "is_weight_max": float(w.max())})
+    if n_weights:
+        mean = metrics.pop("is_weight") * tokens / n_weights  # the token sum of the weights over their count
+        var = (sq - n_weights * mean * mean) / (n_weights - 1) if n_weights > 1 else 0.0
+        metrics.update({"is_weight_mean": mean, "is_weight_std": max(var, 0.0) ** 0.5,
+                        "is_weight_min": lo, "is_weight_max": hi})
     metrics["tokens"] = tokens
     return metrics

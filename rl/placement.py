@@ -51,7 +51,7 @@ def plan_placement(res: ResourcesConfig, num_workers: int, worker_cpus: float,
     bundles: list[dict[str, float]] = []
     learner: list[Slot] = []
     rollout: list[Slot | None] = [None] * num_workers
-    ranks = max(res.learner_gpus, 1)
+    ranks = res.ranks
     summary = (f"learner_gpus={res.learner_gpus}, {num_workers} rollout worker(s) x rollout_gpus={res.rollout_gpus}"
                f"{', colocated' if res.colocate else ''}")
 
@@ -69,8 +69,8 @@ def plan_placement(res: ResourcesConfig, num_workers: int, worker_cpus: float,
         if res.learner_gpus and with_learner:
             bundles.append({"GPU": 1.0, "CPU": LEARNER_CPUS})
             learner.append(Slot(1.0, LEARNER_CPUS, len(bundles) - 1))
-        else:
-            learner.append(Slot(0.0, LEARNER_CPUS, None))
+        else:  # CPU ranks share the learner's CPU share: on one machine they divide the same cores
+            learner.append(Slot(0.0, _share(LEARNER_CPUS, ranks), None))
     if res.rollout_gpus >= 1:
         for i in range(num_workers):
             bundles.append({"GPU": float(res.rollout_gpus), "CPU": worker_cpus})
@@ -87,8 +87,15 @@ def plan_placement(res: ResourcesConfig, num_workers: int, worker_cpus: float,
     return PlacementPlan(tuple(bundles), tuple(learner), tuple(rollout), summary)  # type: ignore[arg-type]
 
 
-def check_cluster(plan: PlacementPlan) -> None:
-    """Refuse, in one line naming the config section, a plan the Ray cluster's GPUs cannot hold."""
+def check_cluster(plan: PlacementPlan, other_cpus: float = 0.0) -> None:
+    """Refuse, in one line naming the config section, a plan the Ray cluster's CPUs or GPUs cannot
+    hold (an actor Ray cannot place waits forever). `other_cpus`: what the run's other actors ask."""
+    asked = sum(s.num_cpus for s in (*plan.learner, *plan.rollout)) + other_cpus
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    if asked > cpus + 1e-9:
+        raise RunRefused(f"resources: the run's actors ask for {asked:g} CPUs ({plan.summary}, "
+                         f"rollout.worker_cpus each, {other_cpus:g} for the environment workers), the Ray cluster "
+                         f"has {cpus:g}: lower rollout.num_workers or worker_cpus, or raise ray.num_cpus")
     if not plan.bundles:
         return
     have = ray.cluster_resources().get("GPU", 0.0)

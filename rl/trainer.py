@@ -97,13 +97,13 @@ class Trainer:
         learner = self.actors.learner
         if self.cfg.rollout.engine == "native":
             if not self._sync_open:
-                ray.get(learner.open_weight_sync.remote(SyncSpec(transport="object_store",
-                                                                 bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)))
+                learner.open_weight_sync(SyncSpec(transport="object_store",
+                                                  bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20))
                 self._sync_open = True
             # full every time: a worker Ray restarted holds nothing a delta could build on
-            ref = learner.push_weights.remote(version, True)
+            ref = learner.push_weights(version, True)
         else:
-            ref = learner.get_weights.remote()
+            ref = learner.get_weights()
         return ray.get(self.actors.scheduler.set_weights.remote([ref], version))
 
     # -- phases ----------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ class Trainer:
         with progress:
             for i in range(w.steps):
                 batch = rng.sample(examples, min(w.batch_size, len(examples)))
-                metrics = ray.get(self.actors.learner.sft_step.remote(batch, w.lr))
+                metrics = self.actors.learner.sft_step(batch, w.lr)
                 progress.advance(f"loss {metrics['sft/loss']:.3f}")
                 if i == w.steps - 1 or i % 10 == 0:
                     logger.log(-w.steps + i, metrics)
@@ -134,7 +134,7 @@ class Trainer:
     def _save(self, step: int) -> None:
         ckpt_root = self.run_dir / CHECKPOINTS
         tag = f"step_{step}"
-        ray.get(self.actors.learner.save.remote(str(ckpt_root), tag, {"step": step}))
+        self.actors.learner.save(str(ckpt_root), tag, {"step": step})
         shutil.copytree(self.run_dir / "tokenizer", ckpt_root / tag / "hf" / "tokenizer", dirs_exist_ok=True)
         # the stream's position and the groups issued but not trained on: a resumed run plays them again
         snapshot = ray.get(self.actors.scheduler.snapshot.remote())
@@ -150,7 +150,7 @@ class Trainer:
         if not found:
             return None
         tag, step = found
-        ray.get(self.actors.learner.load.remote(str(self.run_dir / CHECKPOINTS), tag))
+        self.actors.learner.load(str(self.run_dir / CHECKPOINTS), tag)
         snapshot = read_json(self.run_dir / CHECKPOINTS / tag / "scheduler.json") or {"next_index": 0, "pending": []}
         if step + 1 < self.cfg.train.steps:
             self.say(f"resumed from {tag}: continuing at step {step + 1}")
@@ -238,7 +238,7 @@ class Trainer:
                 batch_ref, report = ray.get(actors.scheduler.next_batch.remote(step))
                 t1 = time.monotonic()
                 released_mb = release_rollout_caches(actors.rollout_workers) if release else None
-                trained = ray.get(actors.learner.train_step.remote(batch_ref[0]))  # resolved by Ray, never here
+                trained = actors.learner.train_step(batch_ref[0])  # resolved by Ray in each rank, never here
                 t2 = time.monotonic()
                 sync_s = self._push_weights(step + 1)
                 t3 = time.monotonic()

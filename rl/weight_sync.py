@@ -88,9 +88,11 @@ class SyncSpec:
 
 
 # ---- what is sent ------------------------------------------------------------------------------
-def weight_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+def weight_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The tensors a sync covers (parameters once each, persistent buffers), by state_dict name,
-    and the names of trainable ones."""
+    and the names of trainable ones. `state` holds tensors to send in place of the model's own under
+    the same names (an expert-parallel learner's experts gathered from its ranks)."""
     kept = set(model.state_dict(keep_vars=True))
     tensors: dict[str, torch.Tensor] = {}
     trainable: set[str] = set()
@@ -101,6 +103,8 @@ def weight_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set
     for name, b in model.named_buffers():
         if name in kept:
             tensors[name] = b.detach()
+    if state is not None:
+        tensors = {name: state[name] for name in tensors}
     return tensors, trainable
 
 
@@ -165,8 +169,9 @@ class WeightSender:
         self.version: int | None = None  # of the last sync planned
         self._fingerprints: dict[str, tuple] = {}
 
-    def plan(self, model: torch.nn.Module, version: int, full: bool = False) -> SyncManifest:
-        tensors, trainable = weight_tensors(model)
+    def plan(self, model: torch.nn.Module, version: int, full: bool = False,
+             state: dict[str, torch.Tensor] | None = None) -> SyncManifest:
+        tensors, trainable = weight_tensors(model, state)
         prints = {n: fingerprint(t) for n, t in tensors.items() if n not in trainable}
         delta = not full and self.version is not None
         names = [n for n in tensors if not delta or n in trainable or prints[n] != self._fingerprints.get(n)]
@@ -174,11 +179,12 @@ class WeightSender:
         self.version, self._fingerprints = version, prints
         return manifest
 
-    def pack(self, model: torch.nn.Module, manifest: SyncManifest) -> Iterator[torch.Tensor]:
+    def pack(self, model: torch.nn.Module, manifest: SyncManifest,
+             state: dict[str, torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
         """The buckets in order, in two staging buffers used in turn: a bucket's buffer is written
         again two buckets later, so a transport must finish sending a bucket before asking for the
         one after the next."""
-        tensors, _ = weight_tensors(model)
+        tensors, _ = weight_tensors(model, state)
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         biggest = max(manifest.bucket_sizes, default=0)
         staging = [torch.empty(biggest, dtype=torch.uint8, device=device) for _ in range(min(2, len(manifest.bucket_sizes)))]
@@ -366,11 +372,12 @@ class WeightSource:
         finally:
             self._ready.set()
 
-    def push(self, model: torch.nn.Module, version: int, full: bool = False) -> SyncTicket:
+    def push(self, model: torch.nn.Module, version: int, full: bool = False,
+             state: dict[str, torch.Tensor] | None = None) -> SyncTicket:
         if not self._ready.wait(self.spec.timeout_s) or self._error is not None:
             raise RuntimeError(f"weight sync: the learner could not join the broadcast group: {self._error}")
-        manifest = self.sender.plan(model, version, full)
-        return self.transport.send(manifest, self.sender.pack(model, manifest))
+        manifest = self.sender.plan(model, version, full, state)
+        return self.transport.send(manifest, self.sender.pack(model, manifest, state))
 
     def close(self) -> None:
         if self.transport is not None:
@@ -424,11 +431,26 @@ class SyncReport:
     seconds: float
 
 
+class ActorSource:
+    """A Ray actor with `open_weight_sync(spec)` and `push_weights(version, full)` methods (a
+    WeightSource inside) as the source the driver functions below take; rl.learner_group's
+    LearnerGroup is one natively."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def open_weight_sync(self, spec: SyncSpec) -> SyncSpec:
+        return ray.get(self.actor.open_weight_sync.remote(spec))
+
+    def push_weights(self, version: int, full: bool = False):
+        return self.actor.push_weights.remote(version, full)
+
+
 def open_weight_sync(learner, workers: list, spec: SyncSpec) -> SyncSpec:
-    """Set up the transport in the learner (`open_weight_sync`) and every worker; for the broadcast,
-    the group of the learner (rank 0) and the workers (ranks 1..N)."""
+    """Set up the transport in the learner (a LearnerGroup or an ActorSource) and every worker; for
+    the broadcast, the group of the learner (rank 0) and the workers (ranks 1..N)."""
     spec = replace(spec, world_size=1 + len(workers))
-    spec = ray.get(learner.open_weight_sync.remote(spec))
+    spec = learner.open_weight_sync(spec)
     ray.get([w.open_weight_sync.remote(spec, i + 1) for i, w in enumerate(workers)])
     return spec
 
@@ -437,7 +459,7 @@ def sync_weights(spec: SyncSpec, learner, workers: list, version: int, full: boo
     """One sync, learner -> every worker; raises the first worker's error (WeightVersionError when
     a worker does not hold the version a delta builds on)."""
     started = time.perf_counter()
-    push = learner.push_weights.remote(version, full)
+    push = learner.push_weights(version, full)
     # broadcast: every member takes part at once (the manifest comes over the group); object store:
     # Ray hands the workers the ticket once the learner has put the buckets
     pulls = [w.pull_weights.remote(None if spec.transport == "broadcast" else push) for w in workers]

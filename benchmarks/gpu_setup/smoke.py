@@ -53,7 +53,7 @@ def main() -> None:
     from policy import Tokenizer
     from rl.config import RolloutConfig, TrainConfig, ResourcesConfig
     from rl.grpo import LossConfig
-    from rl.learner import Learner
+    from rl.learner_group import LearnerGroup
     from rl.placement import Placement, plan_placement
     from rl.rollout.worker import RolloutWorker
     from rl.weight_sync import SyncSpec, open_weight_sync, sync_weights
@@ -64,8 +64,8 @@ def main() -> None:
     spec = {"preset": "toy", "overrides": {"vocab_size": 320}, "init_from": None}
     tok_dir = tempfile.mkdtemp()
     Tokenizer.train(["the quick brown fox jumps over the lazy dog 0123456789"] * 20, vocab_size=320).save(tok_dir)
-    learner = ray.remote(Learner).options(**placement.options(placement.plan.learner[0])).remote(
-        spec, TrainConfig(), LossConfig(), 1.0, 0, 0)
+    group = LearnerGroup(spec, TrainConfig(), LossConfig(), 1.0, 0, 0, [placement.options(placement.plan.learner[0])])
+    learner = group.actors[0]
     worker = ray.remote(RolloutWorker).options(**placement.options(placement.plan.rollout[0])).remote(
         spec, tok_dir, [], RolloutConfig(), 1)
     where = ray.get(learner.__ray_call__.remote(lambda self: (
@@ -85,10 +85,10 @@ def main() -> None:
         return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     for transport in ["object_store"] + (["broadcast"] if two else []):
-        sync = open_weight_sync(learner, [worker], SyncSpec(transport=transport, bucket_bytes=1 << 20,
+        sync = open_weight_sync(group, [worker], SyncSpec(transport=transport, bucket_bytes=1 << 20,
                                                             backend="nccl"))
-        report = sync_weights(sync, learner, [worker], version=0, full=True)
-        again = sync_weights(sync, learner, [worker], version=1)
+        report = sync_weights(sync, group, [worker], version=0, full=True)
+        again = sync_weights(sync, group, [worker], version=1)
         if not same():
             sys.exit(f"smoke: {transport} sync did not reproduce the learner's weights")
         t = step(f"weight sync ({transport})", t, f"{report.bytes / 2**20:.1f} MiB in {report.buckets} buckets: "

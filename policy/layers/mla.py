@@ -16,6 +16,7 @@ The latent norms use eps 1e-6 (as the HF Kimi Linear code does), the rest cfg.rm
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kernels.attention import attention
@@ -212,10 +213,13 @@ class MLAMixer(nn.Module):
 
     # ---- QK-Clip ---------------------------------------------------------------------------
     @torch.no_grad()
-    def qk_clip(self, tau: float) -> torch.Tensor:
+    def qk_clip(self, tau: float, group: "dist.ProcessGroup | None" = None) -> torch.Tensor:
         """Rescale this layer's head-specific q/k weights so the largest logit seen drops to tau.
         q^C and k^C (nope parts) by sqrt(gamma), q^R (the part meeting the shared key) by gamma.
-        Returns gamma per head and resets the statistic."""
+        With `group` (data-parallel ranks), the largest logit over all of them: every replica
+        rescales alike. Returns gamma per head and resets the statistic."""
+        if group is not None:
+            dist.all_reduce(self.qk_max, op=dist.ReduceOp.MAX, group=group)
         gamma = torch.clamp(tau / self.qk_max.clamp_min(1e-30), max=1.0)
         gamma = torch.where(torch.isfinite(self.qk_max), gamma, torch.ones_like(gamma))
         if bool((gamma < 1).any()):

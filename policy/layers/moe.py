@@ -149,11 +149,15 @@ class LatentMoE(nn.Module):
         self.register_buffer("replay_agree", torch.zeros(()), persistent=False)
         self.register_buffer("replay_total", torch.zeros(()), persistent=False)
         self.ep_group: dist.ProcessGroup | None = None  # set by shard_experts
+        # the ranks whose statistics are summed before the bias update (set_data_parallel); None: this rank's
+        self.stats_group: dist.ProcessGroup | None = None
 
     def shard_experts(self, group: dist.ProcessGroup) -> None:
         """Keep only this rank's routed experts, [r*E/ep, (r+1)*E/ep) for rank r of `group` (size
         ep), and exchange tokens with the other ranks in every forward (moe_parallel.py). Call it
-        on a model built the same way on every rank, before its optimizer is made."""
+        on a model built the same way on every rank, before its optimizer is made. Unless
+        set_data_parallel gave another group, the statistics are then summed over the default group
+        (each rank of an expert-parallel job trains on its own tokens)."""
         if self.ep_group is not None:
             raise ValueError("shard_experts: this layer's experts are already sharded")
         ep, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -164,6 +168,25 @@ class LatentMoE(nn.Module):
             full = getattr(self.experts, name).detach()
             setattr(self.experts, name, nn.Parameter(full[rank * n:(rank + 1) * n].clone()))
         self.ep_group = group
+        if self.stats_group is None:
+            self.stats_group = dist.group.WORLD
+
+    def gathered_experts(self) -> dict[str, torch.Tensor]:
+        """{"w1" | "w2" | "w3": [E, ...]}: every routed expert, gathered from the ranks of the
+        expert-parallel group onto its first rank (a collective: every rank of the group calls it;
+        the others get only their own slice back)."""
+        held = {name: getattr(self.experts, name).detach() for name in ("w1", "w2", "w3")}
+        if self.ep_group is None:
+            return held
+        ep = dist.get_world_size(self.ep_group)
+        first = dist.get_global_rank(self.ep_group, 0)
+        mine = dist.get_rank(self.ep_group) == 0
+        out = {}
+        for name, t in held.items():
+            parts = [torch.empty_like(t) for _ in range(ep)] if mine else None
+            dist.gather(t.contiguous(), parts, dst=first, group=self.ep_group)
+            out[name] = torch.cat(parts) if mine else t
+        return out
 
     def route(self, x: torch.Tensor, routing: torch.Tensor | None = None,
               real: torch.Tensor | None = None, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,10 +232,10 @@ class LatentMoE(nn.Module):
             qq = min(q + 1, n_tok)
             shift = m.topk(qq, dim=0).values[-1]  # (q+1)-th largest per expert
         stats = torch.cat([load, shift, load.new_ones(1), replay])
-        if self.ep_group is not None:
-            # Every rank of the job trains on its own tokens: summed over all of them, the statistics
+        if self.stats_group is not None:
+            # Every data-parallel rank trains on its own tokens: summed over all of them, the statistics
             # (and so the bias update, the same on every rank) are one rank's over all the tokens.
-            dist.all_reduce(stats)
+            dist.all_reduce(stats, group=self.stats_group)
         E = self.n_experts
         self.load += stats[:E]
         self.quantile_shift += stats[E:2 * E]

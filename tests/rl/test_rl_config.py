@@ -51,6 +51,17 @@ def test_overrides_are_typed(tmp_path):
          "rollout.gpu_memory_fraction (0.5) sizes the cache when neither cache_tokens nor cache_gib is given"),
         (["rollout.gpu_memory_fraction=0.5"], "rollout.gpu_memory_fraction=0.5 sizes a GPU's cache, but the "
                                               "rollout workers run on CPU: give rollout.cache_tokens or cache_gib"),
+        (["resources.learner_ranks=3", "train.expert_parallel=2", "train.zero_stage=1"],
+         "train.expert_parallel=2 must divide the learner's ranks (resources.learner_ranks / learner_gpus: 3)"),
+        (["resources.learner_ranks=2", "train.expert_parallel=2"],
+         "train.expert_parallel=2 needs train.zero_stage 1 or 2"),
+        (["resources.learner_ranks=3", "train.expert_parallel=3", "train.zero_stage=1"],
+         "train.expert_parallel=3 must divide the model's 8 routed experts"),
+        (["resources.learner_gpus=2", "resources.learner_ranks=4"],
+         "learner_ranks=4: with learner_gpus=2 the learner runs one rank per GPU"),
+        (["model.hf_path=/m", "rollout.engine=vllm", "rollout.record_routing=false", "resources.learner_ranks=2",
+          "train.expert_parallel=2", "train.zero_stage=1"],
+         "a transformers policy (model.hf_path) trains data-parallel only"),
     ],
 )
 def test_bad_values_fail_with_one_line_naming_the_key(tmp_path, overrides, expected):

@@ -29,18 +29,18 @@ def test_the_learner_recomputes_layers_and_steps_alike(ray_session):
     ray = ray_session
     from rl.config import TrainConfig
     from rl.grpo import LossConfig
-    from rl.learner import Learner
+    from rl.learner_group import LearnerGroup
 
     spec = {"preset": "toy", "overrides": {"vocab_size": 320}, "init_from": None}
-    learners = [ray.remote(Learner).options(num_cpus=0.5).remote(
-        spec, TrainConfig(activation_checkpointing=on), LossConfig(), 1.0, 0, 0) for on in (False, True)]
+    groups = [LearnerGroup(spec, TrainConfig(activation_checkpointing=on), LossConfig(), 1.0, 0, 0,
+                           [{"num_cpus": 0.5}]) for on in (False, True)]
     try:
-        stored, recomputed = ray.get([_stored_bytes(learner) for learner in learners])
+        stored, recomputed = ray.get([_stored_bytes(group.actors[0]) for group in groups])
         assert recomputed < stored / 2, (recomputed, stored)
         example = {"tokens": list(range(3, 40)), "loss_mask": [0] * 5 + [1] * 32}
-        plain, ckpt = ray.get([learner.sft_step.remote([example], 1e-2) for learner in learners])
+        plain, ckpt = [group.sft_step([example], 1e-2) for group in groups]
         assert ckpt["sft/loss"] == plain["sft/loss"]
         assert abs(ckpt["sft/grad_norm"] - plain["sft/grad_norm"]) <= 1e-6 * plain["sft/grad_norm"]
     finally:
-        for learner in learners:
-            ray.kill(learner)
+        for group in groups:
+            group.shutdown()

@@ -22,6 +22,18 @@ def test_cpu_default_reserves_nothing():
     assert all(s.num_gpus == 0 and s.bundle is None for s in (*plan.learner, *plan.rollout))
 
 
+def test_cpu_learner_ranks_share_the_learners_cpus(ray_session):
+    from rl.errors import RunRefused
+    from rl.placement import check_cluster
+
+    plan = plan_placement(ResourcesConfig(learner_ranks=2), num_workers=2, worker_cpus=0.5)
+    assert [(s.num_gpus, s.num_cpus, s.bundle) for s in plan.learner] == [(0.0, 0.25, None), (0.0, 0.25, None)]
+    check_cluster(plan, 0.25)  # 1.75 CPUs of the test cluster's 2
+    with pytest.raises(RunRefused, match=r"resources: the run's actors ask for 2.75 CPUs \(learner_gpus=0, 4 "
+                                         r"rollout worker\(s\).*the Ray cluster has 2: lower rollout.num_workers"):
+        check_cluster(plan_placement(ResourcesConfig(), num_workers=4, worker_cpus=0.5), 0.25)
+
+
 def test_separate_gpus_pack_fractional_workers():
     plan = plan_placement(ResourcesConfig(learner_gpus=1, rollout_gpus=0.5), num_workers=3, worker_cpus=0.5)
     assert plan.bundles == ({"GPU": 1.0, "CPU": 0.5}, {"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0, "CPU": 0.5})

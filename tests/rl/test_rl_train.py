@@ -92,6 +92,27 @@ def test_short_run_then_resume(tmp_path, ray_session):
     assert 0 <= summary["all"]["all"]["reward"] <= 1 and summary["all"]["all"]["stderr"] >= 0
 
 
+def test_an_expert_parallel_learner_trains_and_resumes(tmp_path, ray_session):
+    """Two learner ranks (gloo, ZeRO-1) splitting each MoE layer's experts: the rollout engines get
+    whole weights every step, a checkpoint exports every expert, and a resumed run continues."""
+    from policy import from_pretrained
+
+    config = write_config(tmp_path, resources={"learner_ranks": 2},
+                          train={"steps": 2, "micro_batches": 1, "zero_stage": 1, "expert_parallel": 2},
+                          checkpoint={"every": 1, "keep": 2}, gate={"enabled": False},
+                          eval={"tasks_per_env": 1, "efforts": ["low"], "before_and_after": False})
+    run_cli("train", str(config))
+    run_dir = only_run(tmp_path)
+    assert [m["step"] for m in read_metrics(run_dir) if m["step"] >= 0] == [0, 1]
+    exported = from_pretrained(run_dir / "checkpoints" / "step_1" / "hf").state_dict()
+    assert exported["model.layers.1.block_sparse_moe.experts.w1"].shape[0] == 8
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_1").glob("experts_rank*.pt")) == \
+        ["experts_rank000.pt", "experts_rank001.pt"]
+    output = run_cli("train", "--resume", str(run_dir), "train.steps=3")
+    assert "continuing at step 2" in output
+    assert [m["step"] for m in read_metrics(run_dir) if m["step"] >= 0] == [0, 1, 2]
+
+
 def test_killed_rollout_worker_reissues_its_groups(tmp_path, ray_session):
     import ray
 

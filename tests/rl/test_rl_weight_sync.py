@@ -98,29 +98,30 @@ def actors(ray_session, tmp_path_factory):
     from policy import Tokenizer
     from rl.config import RolloutConfig, TrainConfig
     from rl.grpo import LossConfig
-    from rl.learner import Learner
+    from rl.learner_group import LearnerGroup
     from rl.rollout.worker import RolloutWorker
 
     ray = ray_session
     tok_dir = tmp_path_factory.mktemp("tok")
     Tokenizer.train(["the quick brown fox jumps over the lazy dog 0123456789"] * 20, vocab_size=320).save(str(tok_dir))
-    learner = ray.remote(Learner).options(num_cpus=0.5).remote(SPEC, TrainConfig(), LossConfig(), 1.0, 0, 0)
+    learner = LearnerGroup(SPEC, TrainConfig(), LossConfig(), 1.0, 0, 0, [{"num_cpus": 0.5}])
     workers = [ray.remote(RolloutWorker).options(num_cpus=0.25).remote(SPEC, str(tok_dir), [], RolloutConfig(), 7 + i)
                for i in range(2)]
     yield ray, learner, workers
-    for actor in [learner, *workers]:
+    learner.shutdown()
+    for actor in workers:
         ray.kill(actor)
 
 
 def states(ray, learner, workers):
-    learned = ray.get(learner.__ray_call__.remote(lambda self: self.engine.module.state_dict()))
+    learned = ray.get(learner.get_weights())
     held = ray.get([w.__ray_call__.remote(lambda self: self.engine.model.state_dict()) for w in workers])
     return learned, held
 
 
 def sft_step(ray, learner):
     example = {"tokens": list(range(3, 40)), "loss_mask": [0] * 5 + [1] * 32}
-    ray.get(learner.sft_step.remote([example], 1e-2))
+    learner.sft_step([example], 1e-2)
 
 
 @pytest.mark.parametrize("transport", ["object_store", "broadcast"])

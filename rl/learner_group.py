@@ -1,0 +1,101 @@
+"""The learner's ranks, driven as one learner.
+
+`LearnerGroup` creates one `Learner` actor per rank (their Ray options, GPUs included, come from the
+run's placement), asks rank 0 where the process group meets, starts every rank at once (DeepSpeed's
+initialisation is a collective), and then calls each method on every rank, returning rank 0's
+answer: the ranks compute the same metrics (combined over ranks inside the step), and only rank 0
+holds whole weights when the experts are sharded.
+
+Blocking calls wait for every rank and raise the first error as soon as any rank fails, instead of
+waiting on ranks that are blocked in a collective with the failed one. `push_weights` and
+`get_weights` return rank 0's reference at once (the rollout side consumes it); the other ranks'
+parts of those calls are awaited at the next blocking call."""
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from rl.config import TrainConfig
+from rl.grpo import LossConfig
+
+
+def wait_all(refs: list) -> list:
+    """Every result, in order; the first failure raises at once, whatever the others are doing."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready[0])
+    return ray.get(refs)
+
+
+class LearnerGroup:
+    def __init__(self, model_spec: dict[str, Any], train_cfg: TrainConfig, loss_cfg: LossConfig,
+                 temperature: float, pad_id: int, seed: int, actor_options: list[dict[str, Any]],
+                 name: str | None = None) -> None:
+        from rl.learner import Learner
+
+        world = len(actor_options)
+        self.actors = [
+            ray.remote(Learner).options(**opts, **({"name": f"{name}-{r}"} if name else {}))
+            .remote(model_spec, train_cfg, loss_cfg, temperature, pad_id, seed, r, world)
+            for r, opts in enumerate(actor_options)
+        ]
+        self._inflight: list = []
+        try:
+            addr, port = ray.get(self.actors[0].rendezvous.remote())
+            wait_all([a.start.remote(addr, port) for a in self.actors])
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def _on_all(self, method: str, *args: Any) -> list:
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        earlier, self._inflight = self._inflight, []
+        return wait_all(refs + earlier)[:len(refs)]
+
+    def _rank0_ref(self, method: str, *args: Any):
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        self._inflight.extend(refs[1:])
+        return refs[0]
+
+    # -- the learner's interface ----------------------------------------------------------------------
+    def sft_step(self, examples: list[dict[str, list[int]]], lr: float) -> dict[str, float]:
+        return self._on_all("sft_step", examples, lr)[0]
+
+    def train_step(self, batch_ref) -> dict[str, Any]:
+        """batch_ref: an ObjectRef of a RolloutBatch; Ray resolves it in each rank, never here."""
+        return self._on_all("train_step", batch_ref)[0]
+
+    def get_weights(self):
+        """ObjectRef of the whole state dict (rank 0's)."""
+        return self._rank0_ref("get_weights")
+
+    def open_weight_sync(self, spec):
+        """Rank 0 is the weight sync's source; returns the spec the workers join with."""
+        return ray.get(self.actors[0].open_weight_sync.remote(spec))
+
+    def push_weights(self, version: int, full: bool = False):
+        """ObjectRef of rank 0's SyncTicket."""
+        return self._rank0_ref("push_weights", version, full)
+
+    def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
+        self._on_all("save", directory, tag, client_state)
+
+    def load(self, directory: str, tag: str) -> dict[str, Any]:
+        return self._on_all("load", directory, tag)[0]
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout_s)
+        except Exception:  # a rank already gone or stuck: it is killed next
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
