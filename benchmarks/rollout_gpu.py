@@ -2,6 +2,11 @@
 
     python3 benchmarks/rollout_gpu.py --preset small --seqs 64 256
     python3 benchmarks/rollout_gpu.py --preset kimi-linear-4l --seqs 64 --json $OUT/rollout_gpu.json
+    python3 benchmarks/rollout_gpu.py --preset small --seqs 64 --long-context 131072
+
+Each size runs twice in one process, eager decode beside the CUDA-graph decode
+(rl/rollout/decode_graphs.py), the same sequences and tokens. `--long-context N` then prefills one
+N-token prompt (in chunks of --chunk tokens) and decodes from it: time, decode rate, peak memory.
 
 `kimi-linear-4l`: Kimi-Linear-48B layer shapes cut to 4 layers (3 KDA + 1 MLA) and 64 experts.
 Weights in bf16, random; greedy decoding of `--new` tokens after a `--prompt`-token prompt per
@@ -26,11 +31,16 @@ from benchmarks.bench_common import log, write_json  # noqa: E402
 BANDWIDTH = 4.3e12
 
 
-def build(preset: str):
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build(preset: str, device: str):
     from policy import build_model
     from policy.dtypes import params_to
 
-    with torch.device("cuda"):
+    with torch.device(device):
         if preset == "kimi-linear-4l":
             model = build_model("kimi-linear-48b", num_hidden_layers=4, num_experts=64)
         else:
@@ -47,38 +57,72 @@ def bound_tok_s(model, seqs: int, context: int) -> float:
     return seqs * BANDWIDTH / (weights + state)
 
 
-def decode(model, seqs: int, prompt: int, new: int, vocab: int) -> dict:
+def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, chunk: int = 8192) -> dict:
     from rl.rollout.engine_api import SamplingParams
     from rl.rollout.native_engine import NativeEngine
 
-    engine = NativeEngine(model, max_slots=seqs, cache_tokens=seqs * (prompt + new + 64), max_batch_tokens=8192,
-                          record_routing=False)
+    engine = NativeEngine(model, max_slots=seqs, cache_tokens=seqs * (prompt + new + 64), max_batch_tokens=chunk,
+                          record_routing=False, decode_graphs=graphs)
     engine.version = 0
-    params = SamplingParams(max_new_tokens=new, temperature=0.0, seed=0)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, vocab, (prompt,), generator=gen).tolist() for _ in range(seqs)]
-    marks: dict[str, float] = {}
+    tokens: dict[int, list[int]] = {}
 
-    async def one(i: int) -> None:
+    async def first(i: int) -> None:  # the prompt, and one token: the decode phase starts after it
         await engine.start_group([f"s{i}"], prompts[i])
-        out = await engine.generate(f"s{i}", [], params)
-        marks.setdefault("first_done", time.perf_counter())
+        await engine.generate(f"s{i}", [], SamplingParams(max_new_tokens=1, temperature=0.0, seed=0))
+
+    async def rest(i: int) -> None:
+        out = await engine.generate(f"s{i}", [], SamplingParams(max_new_tokens=new, temperature=0.0, seed=0))
         assert len(out.tokens) == new
+        tokens[i] = out.tokens
         await engine.finish(f"s{i}")
 
-    async def run() -> None:
-        await asyncio.gather(*[one(i) for i in range(seqs)])
+    async def run() -> float:
+        await asyncio.gather(*[first(i) for i in range(seqs)])
+        sync()
+        started = time.perf_counter()
+        await asyncio.gather(*[rest(i) for i in range(seqs)])
+        sync()
+        return time.perf_counter() - started
 
-    torch.cuda.synchronize()
-    started = time.perf_counter()
+    decode_s = asyncio.run(run())
+    return {"sequences": seqs, "graphs": graphs, "decode_s": decode_s, "decode_tok_s": seqs * new / decode_s,
+            "graphs_captured": engine.stats().extra.get("graphs_captured", 0.0),
+            "capture_error": engine._graphs.capture_error if engine._graphs is not None else None,
+            "tokens": [tokens[i] for i in range(seqs)]}
+
+
+def long_context(model, tokens: int, new: int, chunk: int, vocab: int) -> dict:
+    """One sequence: a `tokens`-token prompt prefilled in chunks, then `new` tokens decoded."""
+    from rl.rollout.engine_api import SamplingParams
+    from rl.rollout.native_engine import NativeEngine
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    engine = NativeEngine(model, max_slots=1, cache_tokens=tokens + new + 64, max_batch_tokens=chunk,
+                          record_routing=False)
+    engine.version = 0
+    prompt = torch.randint(10, vocab, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    times: dict[str, float] = {}
+
+    async def run() -> None:
+        t0 = time.perf_counter()
+        await engine.start_group(["long"], prompt)
+        first = await engine.generate("long", [], SamplingParams(max_new_tokens=1, temperature=0.0, seed=0))
+        sync()
+        times["prefill_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        out = await engine.generate("long", [], SamplingParams(max_new_tokens=new, temperature=0.0, seed=0))
+        sync()
+        times["decode_s"] = time.perf_counter() - t1
+        assert len(first.tokens) == 1 and len(out.tokens) == new
+        await engine.finish("long")
+
     asyncio.run(run())
-    torch.cuda.synchronize()
-    total = time.perf_counter() - started
-    steps = engine.stats().steps
-    prefill_steps = -(-seqs * prompt // 8192)
-    decode_s = total * (steps - prefill_steps) / max(steps, 1)  # the prefill forwards' share left out
-    return {"sequences": seqs, "total_s": total, "steps": steps, "decode_tok_s": seqs * new / decode_s,
-            "overall_tok_s": seqs * new / total}
+    return {"context": tokens, "chunk": chunk, **times, "decode_tok_s": new / times["decode_s"],
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"),
+            "cache_gib": engine.cache.nbytes / 2**30}
 
 
 def main() -> None:
@@ -87,20 +131,45 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--long-context", type=int, default=0, help="then one sequence with this many prompt tokens")
+    parser.add_argument("--chunk", type=int, default=8192, help="prefill tokens per forward")
+    parser.add_argument("--repeat-eager", action="store_true", help="a second eager run, to compare tokens with")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (graphs run eagerly)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    model = build(args.preset)
+    model = build(args.preset, args.device)
     vocab = model.config.vocab_size
     log(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, bf16")
-    decode(model, 4, 16, 8, vocab)  # warm-up: first launches, allocator
+    for graphs in (False, True):  # warm-up: first launches, allocator
+        decode(model, 4, 16, 8, vocab, graphs)
     results = {"args": vars(args), "rows": []}
     for n in args.seqs:
-        row = decode(model, n, args.prompt, args.new, vocab)
-        row["bound_tok_s"] = bound_tok_s(model, n, args.prompt + args.new // 2)
-        row["fraction_of_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
-        results["rows"].append(row)
-        log(f"{n} sequences: decode {row['decode_tok_s']:.0f} tok/s (overall {row['overall_tok_s']:.0f}), "
-            f"bound {row['bound_tok_s']:.0f} tok/s, {row['fraction_of_bound']:.1%} of it; {row['steps']} steps")
+        pair = {}
+        for graphs in (False, True):
+            row = decode(model, n, args.prompt, args.new, vocab, graphs)
+            row["bound_tok_s"] = bound_tok_s(model, n, args.prompt + args.new // 2)
+            row["fraction_of_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
+            pair[graphs] = row
+            log(f"{n} sequences, {'CUDA graphs' if graphs else 'eager'}: decode {row['decode_tok_s']:.0f} tok/s, "
+                f"bound {row['bound_tok_s']:.0f} tok/s, {row['fraction_of_bound']:.1%} of it; "
+                f"{row['graphs_captured']:.0f} graphs captured"
+                + (f"; CAPTURE FAILED: {row['capture_error']}" if row["capture_error"] else ""))
+        # bf16 kernels with atomics (the MoE combine's index_add_) are not bitwise repeatable: a second eager
+        # run says how often greedy decoding of random weights diverges between two runs of the same path
+        again = decode(model, n, args.prompt, args.new, vocab, False)["tokens"] if args.repeat_eager else None
+        eager_tokens = pair[False].pop("tokens")
+        same = sum(a == b for a, b in zip(eager_tokens, pair[True].pop("tokens")))
+        results["rows"] += [pair[False], {**pair[True], "same_tokens_as_eager": same / n}]
+        log(f"{n} sequences: CUDA graphs / eager = {pair[True]['decode_tok_s'] / pair[False]['decode_tok_s']:.2f}x; "
+            f"greedy tokens identical for {same} of {n} sequences"
+            + (f" (eager vs eager again: {sum(a == b for a, b in zip(eager_tokens, again))} of {n})" if again else ""))
+        write_json(results, args.json)
+    if args.long_context:
+        row = long_context(model, args.long_context, args.new, args.chunk, vocab)
+        results["long_context"] = row
+        log(f"one {row['context']}-token prompt: prefill {row['prefill_s']:.1f} s in {row['chunk']}-token chunks, "
+            f"then {row['decode_tok_s']:.1f} tok/s decode; cache {row['cache_gib']:.2f} GiB, "
+            f"peak {row['peak_gib']:.1f} GiB")
         write_json(results, args.json)
 
 

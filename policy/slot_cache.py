@@ -9,6 +9,12 @@ view writes the new keys straight into the slots' blocks.
 Forking (one prompt, a GRPO group of continuations) shares the prompt's full blocks between the
 slots (reference counts) and copies only the last, partly filled block: a slot only ever writes at
 positions past its own length, so a shared full block is never written again.
+
+Besides `max_slots` slots and `num_blocks` blocks the cache holds one scratch slot and one scratch
+block that no sequence owns: padding tokens write their keys into the scratch block, and padding
+rows of a fixed-size decode batch (rl/rollout/decode_graphs.py) read and write the scratch slot.
+Every write is then a plain scatter, with no data-dependent shape (no host sync, and capturable
+in a CUDA graph).
 """
 from __future__ import annotations
 
@@ -35,11 +41,14 @@ class PagedMLAView:
     row's keys at the front, shorter rows padded with invalid slots) and, on `append`, the new
     tokens, whose real ones are written into the blocks."""
 
-    def __init__(self, pool: _MLAPool, past_index: Tensor, past_valid: Tensor, write_index: Tensor) -> None:
+    def __init__(self, pool: _MLAPool, past_index: Tensor, past_valid: Tensor, write_index: Tensor,
+                 new_valid: Tensor, scratch: int) -> None:
         self.pool = pool
         self.past_index = past_index  # [B, P] flat pool positions (any position where invalid)
         self.past_valid = past_valid  # [B, P] bool
-        self.write_index = write_index  # [B, T] flat pool positions of the new tokens, -1 for padding
+        self.write_index = write_index  # [B, T] flat pool positions of the new tokens (scratch for padding)
+        self.new_valid = new_valid  # [B, T] bool: the new tokens that are real
+        self.scratch = scratch  # a flat position of the scratch block
 
     @property
     def seq_len(self) -> int:
@@ -51,14 +60,16 @@ class PagedMLAView:
 
     def append(self, latent: Tensor, k_rope: Tensor, index_k: Tensor | None,
                valid: Tensor | None = None) -> MLACache:
-        real = self.write_index >= 0
-        if valid is not None:
-            real = real & valid
-        where = self.write_index[real]
-        self.pool.latent[where] = latent[real].to(self.pool.latent.dtype)
-        self.pool.k_rope[where] = k_rope[real].to(self.pool.k_rope.dtype)
+        real = self.new_valid if valid is None else self.new_valid & valid
+        where = torch.where(real, self.write_index, self.scratch).reshape(-1)  # padding: into the scratch block
+
+        def write(pool: Tensor, new: Tensor) -> None:
+            pool.index_copy_(0, where, new.reshape(-1, new.shape[-1]).to(pool.dtype))
+
+        write(self.pool.latent, latent)
+        write(self.pool.k_rope, k_rope)
         if index_k is not None and self.pool.index_k is not None:
-            self.pool.index_k[where] = index_k[real].to(self.pool.index_k.dtype)
+            write(self.pool.index_k, index_k)
 
         def past(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[self.past_index]
@@ -100,13 +111,17 @@ class SlotCache:
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._free_slots = list(range(max_slots - 1, -1, -1))
 
+    @property
+    def scratch_slot(self) -> int:
+        return self.max_slots
+
     def _allocate(self) -> None:
         for i, layer in enumerate(self.layers):
             mixer = layer.self_attn
             if layer.kind == "kda":
-                self._kda[i] = mixer.empty_cache(self.max_slots, self.device, self.dtype)
+                self._kda[i] = mixer.empty_cache(self.max_slots + 1, self.device, self.dtype)  # + the scratch slot
             else:
-                rows = self.num_blocks * self.block_size
+                rows = (self.num_blocks + 1) * self.block_size  # + the scratch block
                 ik = (torch.zeros(rows, mixer.indexer.head_dim, device=self.device, dtype=self.dtype)
                       if mixer.sparse else None)
                 self._mla[i] = _MLAPool(torch.zeros(rows, mixer.kv_lora, device=self.device, dtype=self.dtype),
@@ -142,9 +157,16 @@ class SlotCache:
                      "dsa": cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim}
         return sum(per_layer[t] for t in cfg.layer_types) * dtype.itemsize
 
+    def tensor_ids(self) -> tuple[int, ...]:
+        """The addresses of the state and key tensors: what a captured CUDA graph reads and writes
+        (they change when a released cache is allocated again)."""
+        tensors = [t for c in self._kda.values() for t in (c.state, c.conv)]
+        tensors += [t for p in self._mla.values() for t in (p.latent, p.k_rope, p.index_k) if t is not None]
+        return tuple(t.data_ptr() for t in tensors)
+
     @property
     def nbytes(self) -> int:
-        """Memory the cache's states and key pools hold."""
+        """Memory the cache's states and key pools hold (the scratch slot and block included)."""
         tensors = [t for c in self._kda.values() for t in (c.state, c.conv)]
         tensors += [t for p in self._mla.values() for t in (p.latent, p.k_rope, p.index_k) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -239,10 +261,19 @@ class SlotCache:
     def view(self, slots: list[int], n_new: list[int], width: int) -> ModelCache:
         """The cache of `slots` for a forward of `width` new tokens per row, of which row b's first
         n_new[b] are real (the rest padding). Blocks for them must be reserved."""
-        idx = torch.tensor(slots, device=self.device)
+        past_index, past_valid, write_index, real = (t.to(self.device) for t in self.indices(slots, n_new, width))
+        lengths = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=self.device)
+        return self.view_of(torch.tensor(slots, device=self.device), past_index, past_valid, write_index, real, lengths)
+
+    def indices(self, slots: list[int], n_new: list[int], width: int, past_width: int | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """On the host, for the MLA layers: past_index / past_valid [B, P] (each row's past keys at
+        the front; P the longest row's length, or `past_width` if given), write_index / new_valid
+        [B, width] (where the new tokens go; padding goes to the scratch block)."""
         past_len = [self.lengths[s] for s in slots]
         lens = torch.tensor(past_len, dtype=torch.long)
-        bs, P = self.block_size, max(past_len)
+        bs = self.block_size
+        P = max(past_len) if past_width is None else past_width
         tables = self._table_t.index_select(0, torch.tensor(slots))
         last = tables.shape[1] - 1  # positions past a row's table (invalid, padding, no MLA layer) read any block
         pos = torch.arange(P)
@@ -251,23 +282,37 @@ class SlotCache:
         new_pos = lens[:, None] + torch.arange(width)[None]  # [B, width]
         real = torch.arange(width)[None] < torch.tensor(n_new)[:, None]
         blocks = tables.gather(1, (new_pos // bs).clamp(max=last))
-        write_index = torch.where(real, blocks * bs + new_pos % bs, -1)
-        past_index, past_valid, write_index = (t.to(self.device) for t in (past_index, past_valid, write_index))
+        write_index = torch.where(real, blocks * bs + new_pos % bs, self.num_blocks * bs)
+        return past_index, past_valid, write_index, real
+
+    def view_of(self, slots: Tensor, past_index: Tensor, past_valid: Tensor, write_index: Tensor,
+                new_valid: Tensor, lengths: Tensor) -> ModelCache:
+        """The view `view` builds, from its index tensors (on the cache's device): slots [B], and for
+        the MLA layers past_index / past_valid [B, P], write_index / new_valid [B, T] (see
+        PagedMLAView). Fixed-size tensors give a forward of fixed shapes (a CUDA graph's)."""
+        scratch = self.num_blocks * self.block_size
         layers = []
         for i in range(len(self.layers)):
             if i in self._kda:
                 c = self._kda[i]
-                layers.append(KDACache(c.state.index_select(0, idx), c.conv.index_select(0, idx)))
+                layers.append(KDACache(c.state.index_select(0, slots), c.conv.index_select(0, slots)))
             else:
-                layers.append(PagedMLAView(self._mla[i], past_index, past_valid, write_index))
-        return ModelCache(layers, torch.tensor(past_len, dtype=torch.long, device=self.device))
+                layers.append(PagedMLAView(self._mla[i], past_index, past_valid, write_index, new_valid, scratch))
+        return ModelCache(layers, lengths)
 
     def commit(self, slots: list[int], out: ModelCache, n_new: list[int]) -> None:
         """After the forward: the slots' new KDA states, and their lengths grown by n_new."""
-        idx = torch.tensor(slots, device=self.device)
+        self.write_states(torch.tensor(slots, device=self.device), out)
+        self.advance(slots, n_new)
+
+    def write_states(self, slots: Tensor, out: ModelCache) -> None:
+        """The forward's new KDA states into `slots` [B] (on the cache's device)."""
         for i, c in self._kda.items():
             new = out.layers[i]
-            c.state.index_copy_(0, idx, new.state.to(c.state.dtype))
-            c.conv.index_copy_(0, idx, new.conv.to(c.conv.dtype))
+            c.state.index_copy_(0, slots, new.state.to(c.state.dtype))
+            c.conv.index_copy_(0, slots, new.conv.to(c.conv.dtype))
+
+    def advance(self, slots: list[int], n_new: list[int]) -> None:
+        """The slots' lengths grown by the tokens a forward fed them."""
         for s, n in zip(slots, n_new):
             self.lengths[s] += n

@@ -163,6 +163,8 @@ class RolloutConfig(Section):
     cache_gib: float | None = Field(default=None, gt=0)
     gpu_memory_fraction: float | None = Field(default=None, gt=0, le=1)
     max_batch_tokens: int = Field(default=2048, ge=16)  # prefill tokens per forward (longer inputs in chunks)
+    # native engine on a GPU: decode steps at fixed shapes, each captured once as a CUDA graph and replayed
+    cuda_graphs: bool = True
     sync_bucket_mb: int = Field(default=256, ge=1)  # weight pushes to the native engine go in buckets of this size
     # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
     # classes on the policy's Hugging Face checkpoint; transformers: `generate`, the slow baseline

@@ -27,11 +27,11 @@ GIB = 1 << 30
 
 def budget_tokens(budget: int, max_slots: int, max_context: int, slot_bytes: int, token_bytes: int,
                   block_size: int = BLOCK_SIZE, named: str = "the cache budget", knob: str = "it") -> int:
-    """Tokens (whole blocks) that fit `budget` bytes after `max_slots` slots of `slot_bytes` each; a
-    ValueError naming the numbers (`named`: where the budget came from, `knob`: what to raise) when
-    that is less than one `max_context`-token sequence."""
-    fixed = max_slots * slot_bytes
+    """Tokens (whole blocks) that fit `budget` bytes after `max_slots` slots of `slot_bytes` each and
+    the cache's scratch slot and block; a ValueError naming the numbers (`named`: where the budget came
+    from, `knob`: what to raise) when that is less than one `max_context`-token sequence."""
     block_bytes = block_size * token_bytes
+    fixed = (max_slots + 1) * slot_bytes + block_bytes  # + the scratch slot and block (policy.slot_cache)
     one_sequence = -(-max_context // block_size)  # blocks
     if budget < fixed + one_sequence * block_bytes:
         raise ValueError(

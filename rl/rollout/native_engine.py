@@ -10,6 +10,9 @@ another sequence's cache. A group's prompt is prefilled once and forked into its
 When the cache runs out of blocks, the newest sequence is preempted: its memory is freed, and it
 is prefilled again from its tokens when room returns (recomputation, as vLLM does).
 
+On a GPU the decode forward runs at fixed shapes, captured once per shape as a CUDA graph
+(rl/rollout/decode_graphs.py): one launch per step instead of thousands.
+
 The model runs in a worker thread, so the event loop keeps accepting requests (and environment
 replies keep arriving) while a forward is in flight. Weight updates wait for the forward in flight
 and apply before the next one; sequences continue under the new weights (partial rollouts), each
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from policy.slot_cache import BLOCK_SIZE, CacheFull, SlotCache
+from rl.rollout.decode_graphs import DecodeGraphs
 from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams, SequenceRecord, TurnOutput, WeightUpdate
 from rl.rollout.sampling import sample_tokens
 
@@ -54,13 +58,18 @@ class _Seq:
 class NativeEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, max_slots: int = 64, cache_tokens: int = 65536,
                  block_size: int = BLOCK_SIZE, max_batch_tokens: int = 2048, record_routing: bool = True,
-                 name: str = "native") -> None:
+                 name: str = "native", decode_graphs: bool | None = None) -> None:
+        """decode_graphs: decode at fixed shapes replayed as CUDA graphs; None means on a GPU. True on a
+        CPU runs the fixed-shape step eagerly (what the graphs replay, for tests)."""
         self.model = model.eval()
         self.name = name
         self.record_routing = record_routing
         self.max_batch_tokens = max_batch_tokens
         num_blocks = max(1, -(-cache_tokens // block_size))
         self.cache = SlotCache(model, max_slots=max_slots, num_blocks=num_blocks, block_size=block_size)
+        on_gpu = self.cache.device.type == "cuda"
+        self._graphs = (DecodeGraphs(model, self.cache, record_routing, use_graphs=on_gpu)
+                        if (on_gpu if decode_graphs is None else decode_graphs) else None)
         self.seqs: dict[str, _Seq] = {}
         self.version = -1
         self._stats = EngineStats()
@@ -209,7 +218,7 @@ class NativeEngine(RolloutEngine):
                 prefill.append((seq, take))
                 budget -= take
         if decode:
-            self._forward(decode, [1] * len(decode))
+            self._decode(decode)
         if prefill:
             self._forward([s for s, _ in prefill], [n for _, n in prefill])
         forked = [s for s in list(self.seqs.values()) if s.fork_of is not None
@@ -300,6 +309,22 @@ class NativeEngine(RolloutEngine):
                 s.routing.extend(routing[b, :n])
         if width > 1:
             self._stats.prefill_tokens += sum(take)
+
+    def _decode(self, seqs: list[_Seq]) -> None:
+        """One token for each of `seqs`: the fixed-shape (graph) step, or the general forward."""
+        if self._graphs is None:
+            self._forward(seqs, [1] * len(seqs))
+            return
+        logits, routing = self._graphs.step([s.slot for s in seqs], [s.tokens[s.fed] for s in seqs])
+        routing = None if routing is None else routing.to(torch.int16).cpu().numpy()
+        for b, s in enumerate(seqs):
+            s.fed += 1
+            s.logits = logits[b] if s.fed == len(s.tokens) else None
+            if routing is not None:
+                s.routing.append(routing[b])
+        self._stats.extra["graphs_captured"] = float(self._graphs.captured)
+        if self._graphs.capture_error is not None:
+            self._stats.extra["graph_capture_failed"] = 1.0
 
     def _sample(self, seqs: list[_Seq]) -> None:
         params = [s.turn.params for s in seqs]

@@ -88,6 +88,43 @@ def test_continuous_batching_equals_one_sequence_at_a_time(model, greedy):
             assert a[2] == [3] * len(a[0])  # every token records the weights that drew it
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_the_fixed_shape_decode_step_equals_the_general_forward(model, greedy):
+    """What the CUDA graphs replay (rl/rollout/decode_graphs.py), run eagerly: batches padded to a
+    bucket with the scratch slot, past keys padded to a power of two (to 128, then 256 here), the
+    same tokens, logprobs and routing as the engine's variable-shape forward."""
+    gen = torch.Generator().manual_seed(9)
+    groups = {f"g{k}": (torch.randint(10, 300, (3 + 31 * k,), generator=gen).tolist(), list(range(3)))
+              for k in range(5)}  # 15 sequences in flight: a batch of 16 (one padding row), then fewer
+    general = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=False)
+    fixed = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=True)
+    a = asyncio.run(play(general, groups, greedy=greedy, n=10))
+    b = asyncio.run(play(fixed, groups, greedy=greedy, n=10))
+    assert tokens_of(a) == tokens_of(b)
+    for sid in a:
+        for x, y in zip(a[sid][:-1], b[sid][:-1]):
+            torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
+        assert (a[sid][-1].routing == b[sid][-1].routing).all()
+    shapes = set(fixed._graphs._buffers)
+    assert (16, 128) in shapes and (16, 256) in shapes, shapes  # 15 sequences in a batch of 16
+
+
+def test_a_failed_graph_capture_leaves_decoding_eager(model, monkeypatch):
+    e = engine(model, max_slots=4, cache_tokens=1024, decode_graphs=True)
+    e._graphs.use_graphs = True  # as on a GPU; capturing then fails as an op that cannot be captured would
+
+    def fail(buf):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(e._graphs, "_capture", fail)
+    with pytest.warns(RuntimeWarning, match="CUDA graph capture failed .*not permitted.*; decoding eagerly"):
+        got = asyncio.run(play(e, prompts(2), greedy=True))
+    reference = asyncio.run(play(engine(model, max_slots=4, cache_tokens=1024, decode_graphs=False), prompts(2),
+                                 greedy=True))
+    assert tokens_of(got) == tokens_of(reference)
+    assert e.stats().extra["graph_capture_failed"] == 1.0 and not e._graphs.use_graphs
+
+
 def test_forked_group_prefill_equals_separate_prefills(model):
     prompt = torch.randint(10, 300, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     e = engine(model, max_slots=8, cache_tokens=2048, block_size=16)
@@ -228,13 +265,14 @@ def budget_engine(cache_gib: float, max_context: int) -> NativeEngine:
 def test_a_cache_sized_by_a_budget_holds_what_the_arithmetic_says():
     # toy, float32: a slot is 3 KDA layers x (2x64x64 state x 4 B + 3 conv steps x 384 channels x 4 B) =
     # 112,128 B; a token 48 latent+rope x 4 B = 192 B, a 16-token block 3,072 B.
-    # 0.01 GiB = 10,737,418 B: 8 slots take 897,024 B, leaving room for 3,203 blocks.
+    # 0.01 GiB = 10,737,418 B: 8 slots and the scratch slot take 1,009,152 B, the scratch block 3,072 B,
+    # leaving room for 3,165 blocks.
     e = budget_engine(0.01, max_context=512)
     cache = e.cache
-    assert (cache.max_slots, cache.num_blocks, cache.block_size) == (8, 3203, 16)
+    assert (cache.max_slots, cache.num_blocks, cache.block_size) == (8, 3165, 16)
     slot, token = (f(e.model.config, torch.float32) for f in (SlotCache.bytes_per_slot, SlotCache.bytes_per_token))
     assert (slot, token) == (112_128, 192)
-    assert cache.nbytes == 8 * slot + 3203 * 16 * token  # the allocation is what the arithmetic counted
+    assert cache.nbytes == 9 * slot + 3166 * 16 * token  # the allocation is what the arithmetic counted
     assert cache.nbytes <= 10_737_418 < cache.nbytes + 16 * token
 
 
@@ -246,8 +284,9 @@ def test_a_budget_too_small_for_one_sequence_fails_the_build_in_one_line():
 
 
 def test_generation_in_a_tight_budget_sized_cache_matches_a_roomy_one():
-    # 0.00087 GiB = 934,155 B: 8 slots and 12 blocks (192 tokens) for six sequences of ~60 tokens
-    tight = budget_engine(0.00087, max_context=64)
+    # 0.000978 GiB = 1,050,125 B: 8 slots and 12 blocks (192 tokens) for six sequences of ~60 tokens,
+    # beside the scratch slot and block
+    tight = budget_engine(0.000978, max_context=64)
     assert tight.cache.num_blocks == 12
     groups = prompts(3, size=2)
     squeezed = asyncio.run(play(tight, groups, greedy=True))
@@ -346,15 +385,16 @@ def test_an_engine_holding_a_sequence_keeps_its_cache(model):
 
 def test_on_a_gpu_the_default_budget_is_a_share_of_the_free_memory():
     # toy, bfloat16: a slot 3 x (2x64x64 x 4 B state + 3 x 384 x 2 B conv) = 105,216 B; a token 48 x 2 B,
-    # a block 1,536 B. 8 GiB free x 0.9 x a quarter of the GPU = 1,932,735,283 B: 8 slots take
-    # 841,728 B, leaving 1,257,743 blocks = 20,123,888 tokens (8 slots of 2^23 tokens could use more).
+    # a block 1,536 B. 8 GiB free x 0.9 x a quarter of the GPU = 1,932,735,283 B: 8 slots and the scratch
+    # slot take 946,944 B, the scratch block 1,536 B, leaving 1,257,673 blocks = 20,122,768 tokens (8 slots
+    # of 2^23 tokens could use more).
     cfg = RolloutConfig(max_slots=8, groups_per_worker=2, group_size=4, max_context=1 << 23)
     toy, bf16, free = build_model("toy", vocab_size=300, device="meta").config, torch.bfloat16, 8 << 30
-    assert engine_cache_tokens(cfg, toy, bf16, gpu=(free, 0.25)) == 20_123_888
+    assert engine_cache_tokens(cfg, toy, bf16, gpu=(free, 0.25)) == 20_122_768
     # the whole GPU would hold 80,521,856 tokens, more than 8 slots of 2^23 tokens can ever use
     assert engine_cache_tokens(cfg, toy, bf16, gpu=(free, 1.0)) == 8 << 23
     half = cfg.model_copy(update={"gpu_memory_fraction": 0.5})
-    assert engine_cache_tokens(half, toy, bf16, gpu=(free, 0.25)) == (int(free * 0.125) - 8 * 105_216) // 1536 * 16
+    assert engine_cache_tokens(half, toy, bf16, gpu=(free, 0.25)) == (int(free * 0.125) - 9 * 105_216 - 1536) // 1536 * 16
     # given sizes win, and a CPU engine keeps its fixed default
     assert engine_cache_tokens(cfg.model_copy(update={"cache_tokens": 4096}), toy, bf16, gpu=(free, 0.25)) == 4096
     assert engine_cache_tokens(cfg, toy, torch.float32) == DEFAULT_CACHE_TOKENS
