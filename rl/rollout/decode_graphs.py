@@ -13,7 +13,9 @@ copy into the weights in place, so the graphs follow them; a cache released and 
 (colocated runs) has new tensors, so its graphs are dropped and captured again.
 
 Without CUDA (or with graphs off) the same fixed-shape step runs eagerly, which is how it is tested
-against the engine's variable-shape forward on a CPU."""
+against the engine's variable-shape forward on a CPU. On a CPU it can also be compiled
+(`compile=True`: torch.compile, inductor's C++ kernels fusing the small elementwise ops that bound a
+decode step there; the experts' per-expert loop stays eager)."""
 from __future__ import annotations
 
 import warnings
@@ -53,10 +55,15 @@ class _Buffers:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, record_routing: bool, use_graphs: bool) -> None:
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, record_routing: bool, use_graphs: bool,
+                 compile: bool = False) -> None:
         self.model, self.cache, self.record_routing = model, cache, record_routing
         self.device = cache.device
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        if compile and self.device.type != "cpu":
+            raise ValueError("DecodeGraphs: compile is for a CPU engine (on a GPU the CUDA graphs remove the launches)")
+        # automatic dynamic shapes: one recompile makes batch and key length symbolic, not one per bucket
+        self._step_fn = torch.compile(self._forward, dynamic=None) if compile else self._forward
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None  # one memory pool for every graph: they never run at once
@@ -76,7 +83,7 @@ class DecodeGraphs:
         if self.use_graphs:
             self._replay(shape, buf)
         else:
-            self._forward(buf)
+            self._step_fn(buf)
         self.cache.advance(slots, [1] * n)
         # copies: the next replay writes the same buffers
         return buf.logits[:n].clone(), None if buf.routing is None else buf.routing[:n].clone()

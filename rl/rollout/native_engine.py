@@ -14,13 +14,16 @@ On a GPU the decode forward runs at fixed shapes, captured once per shape as a C
 (rl/rollout/decode_graphs.py): one launch per step instead of thousands.
 
 The model runs in a worker thread, so the event loop keeps accepting requests (and environment
-replies keep arriving) while a forward is in flight. Weight updates wait for the forward in flight
+replies keep arriving) while a forward is in flight: always the same thread, since each new thread
+that runs torch on a CPU brings its own OpenMP team, and teams left spinning beside it slowed every
+matrix product 1.6x on two cores. Weight updates wait for the forward in flight
 and apply before the next one; sequences continue under the new weights (partial rollouts), each
 token recording the version that sampled it."""
 from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -58,9 +61,10 @@ class _Seq:
 class NativeEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, max_slots: int = 64, cache_tokens: int = 65536,
                  block_size: int = BLOCK_SIZE, max_batch_tokens: int = 2048, record_routing: bool = True,
-                 name: str = "native", decode_graphs: bool | None = None) -> None:
+                 name: str = "native", decode_graphs: bool | None = None, compile_decode: bool = False) -> None:
         """decode_graphs: decode at fixed shapes replayed as CUDA graphs; None means on a GPU. True on a
-        CPU runs the fixed-shape step eagerly (what the graphs replay, for tests)."""
+        CPU runs the fixed-shape step eagerly (what the graphs replay, for tests). compile_decode (CPU):
+        that fixed-shape step compiled with torch.compile."""
         self.model = model.eval()
         self.name = name
         self.record_routing = record_routing
@@ -68,14 +72,16 @@ class NativeEngine(RolloutEngine):
         num_blocks = max(1, -(-cache_tokens // block_size))
         self.cache = SlotCache(model, max_slots=max_slots, num_blocks=num_blocks, block_size=block_size)
         on_gpu = self.cache.device.type == "cuda"
-        self._graphs = (DecodeGraphs(model, self.cache, record_routing, use_graphs=on_gpu)
-                        if (on_gpu if decode_graphs is None else decode_graphs) else None)
+        fixed_shapes = compile_decode or (on_gpu if decode_graphs is None else decode_graphs)
+        self._graphs = (DecodeGraphs(model, self.cache, record_routing, use_graphs=on_gpu, compile=compile_decode)
+                        if fixed_shapes else None)
         self.seqs: dict[str, _Seq] = {}
         self.version = -1
         self._stats = EngineStats()
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._lock: asyncio.Lock | None = None  # held by a forward; a weight update waits for it
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-engine")  # every torch call
         self._device = model.lm_head.weight.device
 
     # ---- the contract (coroutines of the actor's event loop; they change state only between steps)
@@ -136,7 +142,7 @@ class NativeEngine(RolloutEngine):
         version it loaded (rl.weight_sync's buckets): run in a thread, between two forward passes."""
         self._ensure_loop()
         async with self._lock:
-            self.version = await asyncio.to_thread(load, self.model)
+            self.version = await asyncio.get_running_loop().run_in_executor(self._worker, load, self.model)
 
     async def release_cache(self) -> int:
         """Free the cache's memory while the engine holds no sequence (a colocated learner steps
@@ -160,6 +166,7 @@ class NativeEngine(RolloutEngine):
     def shutdown(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
+        self._worker.shutdown(wait=False)
         for seq in self.seqs.values():
             if seq.turn is not None and not seq.turn.future.done():
                 seq.turn.future.cancel()
@@ -181,7 +188,7 @@ class NativeEngine(RolloutEngine):
                 async with self._lock:
                     started = time.perf_counter()
                     try:
-                        progressed = await asyncio.to_thread(self._step)
+                        progressed = await asyncio.get_running_loop().run_in_executor(self._worker, self._step)
                     except Exception as exc:  # noqa: BLE001 - a failed step fails its sequences, not the engine
                         progressed = False
                         self._stats.extra["step_errors"] = self._stats.extra.get("step_errors", 0.0) + 1

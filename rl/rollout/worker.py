@@ -56,7 +56,8 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
         cache_tokens = engine_cache_tokens(cfg, model.config, model.lm_head.weight.dtype, gpu=gpu)
         engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cache_tokens,
                               max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing,
-                              decode_graphs=cfg.cuda_graphs and device.type == "cuda")
+                              decode_graphs=cfg.cuda_graphs and device.type == "cuda",
+                              compile_decode=cfg.compile_decode)
         engine.version = version
         return engine
     model_dir = saved or model_spec["hf_path"]

@@ -109,6 +109,22 @@ def test_the_fixed_shape_decode_step_equals_the_general_forward(model, greedy):
     assert (16, 128) in shapes and (16, 256) in shapes, shapes  # 15 sequences in a batch of 16
 
 
+def test_the_compiled_decode_step_equals_the_general_forward(model):
+    """rollout.compile_decode: the fixed-shape step through torch.compile gives the same tokens and
+    (to float32 rounding) logprobs as the engine's eager variable-shape forward."""
+    from torch._dynamo.utils import counters
+
+    groups = prompts(3)
+    a = asyncio.run(play(engine(model, max_slots=16, cache_tokens=4096), groups, n=8))
+    graphs_before = counters["stats"]["unique_graphs"]
+    b = asyncio.run(play(engine(model, max_slots=16, cache_tokens=4096, compile_decode=True), groups, n=8))
+    assert counters["stats"]["unique_graphs"] > graphs_before  # it did compile
+    assert tokens_of(a) == tokens_of(b)
+    for sid in a:
+        for x, y in zip(a[sid][:-1], b[sid][:-1]):
+            torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
+
+
 def test_a_failed_graph_capture_leaves_decoding_eager(model, monkeypatch):
     e = engine(model, max_slots=4, cache_tokens=1024, decode_graphs=True)
     e._graphs.use_graphs = True  # as on a GPU; capturing then fails as an op that cannot be captured would
