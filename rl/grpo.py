@@ -216,7 +216,9 @@ def _data_parallel() -> bool:
 def global_sum(value: float) -> float:
     """Sum a scalar over data-parallel ranks (a no-op on one process)."""
     if _data_parallel():
-        t = torch.tensor([value], dtype=torch.float64)
+        # NCCL reduces only GPU tensors (Ray leaves each learner rank its own GPU as cuda:0)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         return float(t.item())
     return value

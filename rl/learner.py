@@ -174,9 +174,9 @@ class Learner:
         for _ in range(self.cfg.micro_batches - micro_steps_done):
             self._micro_backward(sum((p * 0).sum() for p in self.engine.module.parameters()))
         norm = None
-        if self.cfg.zero_stage == 0:  # whole gradients in p.grad (reduced over ranks by DeepSpeed's step)
+        if self.cfg.zero_stage == 0:  # whole gradients in p.grad, reduced over ranks in the last backward
             grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
-            norm = float(torch.stack(grads).norm()) if grads and self.world_size == 1 else None
+            norm = float(torch.stack(grads).norm()) if grads else None
         if self.experts is not None:
             self.experts.reduce_gradients()
         self.engine.step()
@@ -189,13 +189,18 @@ class Learner:
         self.optimizer_steps += 1
         return norm
 
+    def _my_rows(self, n: int) -> tuple[slice | None, int]:
+        """This rank's contiguous share of n rows (None when there are fewer rows than ranks and it
+        gets none) and the micro-batch count every rank uses for them: the same on all, since each
+        forward and backward of an expert-parallel model is a collective."""
+        shares = split_rows(n, self.world_size)
+        return (shares[self.rank] if self.rank < len(shares) else None), max(1, min(self.cfg.micro_batches,
+                                                                                    n // self.world_size))
+
     def _share(self, batch: TrainBatch) -> tuple[TrainBatch, int]:
-        """This rank's contiguous share of `batch` and the micro-batch count every rank uses for it
-        (the same on all: each forward and backward of an expert-parallel model is a collective). A
-        rank left without rows (fewer rows than ranks) gets one inert row."""
-        micro = max(1, min(self.cfg.micro_batches, len(batch) // self.world_size))
-        shares = split_rows(len(batch), self.world_size)
-        return (batch.slice(shares[self.rank]) if self.rank < len(shares) else inert_row(batch)), micro
+        """This rank's share of a GRPO mini-batch (one inert row if it gets none) and the micro-batch count."""
+        rows, micro = self._my_rows(len(batch))
+        return (batch.slice(rows) if rows is not None else inert_row(batch)), micro
 
     # -- supervised warm-up ----------------------------------------------------------------------
     def sft_step(self, examples: list[dict[str, list[int]]], lr: float) -> dict[str, float]:
@@ -205,10 +210,8 @@ class Learner:
         self.engine.train()
         ids, mask, real = sft_batch(examples, self.pad_id)
         total_tokens = max(float(mask.sum()), 1.0)
-        micro = max(1, min(self.cfg.micro_batches, len(ids) // self.world_size))
-        shares = split_rows(len(ids), self.world_size)
-        if self.rank < len(shares):
-            rows = shares[self.rank]
+        rows, micro = self._my_rows(len(ids))
+        if rows is not None:
             ids, mask, real = ids[rows], mask[rows], real[rows]
         else:  # inert: one real token, no target
             ids, mask, real = ids[:1, :1], torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool)
