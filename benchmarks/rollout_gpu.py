@@ -36,7 +36,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def build(preset: str, device: str):
+def build(preset: str, device: str, dtype: torch.dtype):
     from policy import build_model
     from policy.dtypes import params_to
 
@@ -45,7 +45,7 @@ def build(preset: str, device: str):
             model = build_model("kimi-linear-48b", num_hidden_layers=4, num_experts=64)
         else:
             model = build_model(preset)
-    return params_to(model, torch.bfloat16).eval()
+    return params_to(model, dtype).eval()
 
 
 def bound_tok_s(model, seqs: int, context: int) -> float:
@@ -135,11 +135,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8192, help="prefill tokens per forward")
     parser.add_argument("--repeat-eager", action="store_true", help="a second eager run, to compare tokens with")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (graphs run eagerly)")
+    parser.add_argument("--dtype", default="bfloat16", help="float32: graph and eager tokens compared at full precision")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    model = build(args.preset, args.device)
+    model = build(args.preset, args.device, getattr(torch, args.dtype))
     vocab = model.config.vocab_size
-    log(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, bf16")
+    log(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {args.dtype}")
     for graphs in (False, True):  # warm-up: first launches, allocator
         decode(model, 4, 16, 8, vocab, graphs)
     results = {"args": vars(args), "rows": []}
