@@ -165,7 +165,8 @@ class RolloutConfig(Section):
     max_batch_tokens: int = Field(default=2048, ge=16)  # prefill tokens per forward (longer inputs in chunks)
     # native engine on a GPU: decode steps at fixed shapes, each captured once as a CUDA graph and replayed
     cuda_graphs: bool = True
-    # native engine on a CPU: the decode step compiled by torch.compile (~10-20 s per worker, then ~1.3x)
+    # native engine on a CPU: the decode step compiled by torch.compile (1.14-1.3x on steady decode
+    # benchmarks; slower in the demo's multi-turn rollouts, where shapes keep changing)
     compile_decode: bool = False
     sync_bucket_mb: int = Field(default=256, ge=1)  # weight pushes to the native engine go in buckets of this size
     # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
