@@ -153,3 +153,20 @@ def test_a_weight_sync_carries_every_ranks_experts_to_a_worker(ray_session, tmp_
     finally:
         group.shutdown()
         ray.kill(worker)
+
+
+def test_a_killed_rank_fails_the_step_at_once(ray_session):
+    """A rank dies between steps: the next step raises its error within seconds (the group does not
+    wait on the other ranks' collectives, whose timeout is half an hour)."""
+    import time
+
+    ray = ray_session
+    group = learner_group(2, 2)
+    try:
+        ray.kill(group.actors[1], no_restart=True)
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.RayActorError):
+            group.sft_step(sft_examples(), 1e-2)
+        assert time.monotonic() - started < 30
+    finally:
+        group.kill()
