@@ -1,4 +1,4 @@
-"""The learner on several DeepSpeed ranks (LearnerGroup, gloo, ZeRO-0 and 1), against one rank on the same
+"""The learner on several DeepSpeed ranks (LearnerGroup, gloo, ZeRO-0/1/2), against one rank on the same
 batches: data parallel (every rank all experts) and expert parallel (two ranks split the experts).
 A supervised step and a GRPO step must give the same losses, gradient norms (clipping active), MoE
 statistics and weights afterwards; a checkpoint of the expert-parallel learner restores every rank's
@@ -80,8 +80,8 @@ def test_the_first_steps_clip_by_the_global_norm(one_rank):
     assert sft["sft/grad_norm"] > TRAIN["grad_clip"] and grpo["metrics"]["train/grad_norm"] > TRAIN["grad_clip"]
 
 
-@pytest.mark.parametrize("ep, zero", [(1, 1), (1, 0), (2, 1)],
-                         ids=["data_parallel", "data_parallel_zero0", "expert_parallel"])
+@pytest.mark.parametrize("ep, zero", [(1, 1), (1, 0), (2, 1), (2, 2)],
+                         ids=["data_parallel", "data_parallel_zero0", "expert_parallel", "expert_parallel_zero2"])
 def test_two_ranks_train_like_one(ray_session, one_rank, ep, zero):
     ref_sft, ref_grpo, ref_weights = one_rank
     group = learner_group(2, ep, zero_stage=zero)
