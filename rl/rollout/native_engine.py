@@ -336,12 +336,16 @@ class NativeEngine(RolloutEngine):
     def _sample(self, seqs: list[_Seq]) -> None:
         params = [s.turn.params for s in seqs]
         dev = self._device
-        tokens, logprobs = sample_tokens(
-            torch.stack([s.logits for s in seqs]),
-            torch.tensor([p.temperature for p in params], device=dev),
-            torch.tensor([p.top_p for p in params], device=dev),
-            torch.tensor([p.seed for p in params], device=dev),
-            torch.tensor([s.sampled for s in seqs], device=dev))
+        logits = torch.stack([s.logits for s in seqs])
+        if all(p.temperature <= 0 for p in params):  # what sample_tokens gives greedy rows, without the noise
+            tokens, logprobs = logits.argmax(-1), torch.zeros(len(seqs))
+        else:
+            tokens, logprobs = sample_tokens(
+                logits,
+                torch.tensor([p.temperature for p in params], device=dev),
+                torch.tensor([p.top_p for p in params], device=dev),
+                torch.tensor([p.seed for p in params], device=dev),
+                torch.tensor([s.sampled for s in seqs], device=dev))
         for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
             turn = s.turn
             s.tokens.append(tok)

@@ -311,6 +311,13 @@ def test_generation_in_a_tight_budget_sized_cache_matches_a_roomy_one():
     assert tokens_of(squeezed) == tokens_of(roomy)
 
 
+def test_greedy_rows_draw_the_argmax_with_logprob_zero():
+    """What the engine's all-greedy shortcut returns without drawing noise."""
+    logits = torch.randn(4, 50)
+    tokens, logp = sample_tokens(logits, torch.zeros(4), torch.ones(4), torch.arange(4), torch.zeros(4))
+    assert tokens.tolist() == logits.argmax(-1).tolist() and logp.tolist() == [0.0] * 4
+
+
 def test_sampling_depends_only_on_seed_and_position():
     logits = torch.randn(3, 50)
     temp, top_p = torch.ones(3), torch.ones(3)
