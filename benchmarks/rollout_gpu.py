@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import contextlib
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -57,7 +61,10 @@ def bound_tok_s(model, seqs: int, context: int) -> float:
     return seqs * BANDWIDTH / (weights + state)
 
 
-def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, chunk: int = 8192) -> dict:
+def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, chunk: int = 8192,
+           around_decode=contextlib.nullcontext, host_profile: cProfile.Profile | None = None) -> dict:
+    """`around_decode`: a context manager (factory) the decode phase runs in, after the prefills;
+    `host_profile`: profiles the engine's steps (its own thread) during the decode phase."""
     from rl.rollout.engine_api import SamplingParams
     from rl.rollout.native_engine import NativeEngine
 
@@ -81,16 +88,99 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ch
     async def run() -> float:
         await asyncio.gather(*[first(i) for i in range(seqs)])
         sync()
-        started = time.perf_counter()
-        await asyncio.gather(*[rest(i) for i in range(seqs)])
-        sync()
+        if host_profile is not None:
+            step = engine._step
+
+            def profiled_step() -> bool:
+                host_profile.enable()
+                try:
+                    return step()
+                finally:
+                    host_profile.disable()
+
+            engine._step = profiled_step
+        with around_decode():
+            started = time.perf_counter()
+            await asyncio.gather(*[rest(i) for i in range(seqs)])
+            sync()
         return time.perf_counter() - started
 
     decode_s = asyncio.run(run())
+    replay_ms = replay_alone_ms(engine) if graphs else None
     return {"sequences": seqs, "graphs": graphs, "decode_s": decode_s, "decode_tok_s": seqs * new / decode_s,
+            "step_ms": decode_s / new * 1e3, "replay_ms": replay_ms,
             "graphs_captured": engine.stats().extra.get("graphs_captured", 0.0),
             "capture_error": engine._graphs.capture_error if engine._graphs is not None else None,
             "tokens": [tokens[i] for i in range(seqs)]}
+
+
+_PROFILED_MODULES = ("KDAMixer", "MLAMixer", "LatentMoE", "StackedExperts", "Router", "GatedMLP", "AttnRes",
+                     "RMSNorm", "LMHead")
+
+
+def replay_alone_ms(engine, repeats: int = 20) -> float | None:
+    """GPU time of one decode step: the widest captured graph replayed back to back (after the run:
+    it rewrites the last step's slots). The engine's step time beyond it is the host's share."""
+    graphs = engine._graphs._graphs if engine._graphs is not None else {}
+    if not graphs or not torch.cuda.is_available():
+        return None
+    graph = graphs[max(graphs)]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    sync()
+    return start.elapsed_time(end) / repeats
+
+
+def profile_decode(model, seqs: int, prompt: int, new: int, vocab: int, rows: int = 40) -> str:
+    """Where an eager decode's GPU time goes: one decode of `new` tokens per sequence under
+    torch.profiler (every thread: the engine runs the model in its own), the model's main modules
+    marked as ranges (their CUDA total includes their kernels), then the ops by their own CUDA time.
+    The graphs replay the same kernels without the launches."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    ranges: dict[int, record_function] = {}
+
+    def enter(module, _args):
+        ranges[id(module)] = record_function(f"## {type(module).__name__}")
+        ranges[id(module)].__enter__()
+
+    def leave(module, _args, _out):
+        ranges.pop(id(module)).__exit__(None, None, None)
+
+    hooks = [h for m in model.modules() if type(m).__name__ in _PROFILED_MODULES
+             for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                       experimental_config=_ExperimentalConfig(profile_all_threads=True))
+        decode(model, seqs, prompt, new, vocab, graphs=False, around_decode=lambda: prof)
+    finally:
+        for h in hooks:
+            h.remove()
+    events = prof.key_averages()
+    steps = new  # one decode step per new token: every sequence in each step's batch
+    modules = sorted((e for e in events if e.key.startswith("## ")), key=lambda e: -e.device_time_total)
+    lines = [f"{'module':<24} {'CUDA ms/step':>12} {'CPU ms/step':>11} {'calls/step':>10}"]
+    lines += [f"{e.key[3:]:<24} {e.device_time_total / 1e3 / steps:>12.3f} {e.cpu_time_total / 1e3 / steps:>11.3f} "
+              f"{e.count / steps:>10.1f}" for e in modules]
+    total = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    lines.append(f"all kernels: {total:.3f} CUDA ms per decode step ({steps} steps)")
+    return "\n".join(lines) + "\n" + events.table(sort_by="self_cuda_time_total", row_limit=rows,
+                                                  max_name_column_width=70)
+
+
+def profile_host(model, seqs: int, prompt: int, new: int, vocab: int, rows: int = 25) -> str:
+    """Where the host's time goes in a CUDA-graph decode: the engine's steps under cProfile
+    (functions by their cumulative time; a GPU wait shows as the call that blocks on it)."""
+    prof = cProfile.Profile()
+    decode(model, seqs, prompt, new, vocab, graphs=True, host_profile=prof)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(rows)
+    return out.getvalue()
 
 
 def long_context(model, tokens: int, new: int, chunk: int, vocab: int) -> dict:
@@ -136,6 +226,8 @@ def main() -> None:
     parser.add_argument("--repeat-eager", action="store_true", help="a second eager run, to compare tokens with")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (graphs run eagerly)")
     parser.add_argument("--dtype", default="bfloat16", help="float32: graph and eager tokens compared at full precision")
+    parser.add_argument("--profile", action="store_true",
+                        help="then a profiled eager decode (GPU time by module and op) and graph decode (host time)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model = build(args.preset, args.device, getattr(torch, args.dtype))
@@ -153,7 +245,8 @@ def main() -> None:
             pair[graphs] = row
             log(f"{n} sequences, {'CUDA graphs' if graphs else 'eager'}: decode {row['decode_tok_s']:.0f} tok/s, "
                 f"bound {row['bound_tok_s']:.0f} tok/s, {row['fraction_of_bound']:.1%} of it; "
-                f"{row['graphs_captured']:.0f} graphs captured"
+                f"{row['graphs_captured']:.0f} graphs captured; step {row['step_ms']:.2f} ms"
+                + (f" (graph replay alone {row['replay_ms']:.2f} ms)" if row["replay_ms"] else "")
                 + (f"; CAPTURE FAILED: {row['capture_error']}" if row["capture_error"] else ""))
         # bf16 kernels with atomics (the MoE combine's index_add_) are not bitwise repeatable: a second eager
         # run says how often greedy decoding of random weights diverges between two runs of the same path
@@ -165,6 +258,12 @@ def main() -> None:
             f"greedy tokens identical for {same} of {n} sequences"
             + (f" (eager vs eager again: {sum(a == b for a, b in zip(eager_tokens, again))} of {n})" if again else ""))
         write_json(results, args.json)
+    if args.profile:
+        log(f"profile of an eager decode at {args.seqs[0]} sequences, {args.prompt}-token prompts:\n"
+            + profile_decode(model, args.seqs[0], args.prompt, args.new, vocab))
+    if args.profile:
+        log(f"host profile of a CUDA-graph decode at {args.seqs[0]} sequences:\n"
+            + profile_host(model, args.seqs[0], args.prompt, args.new, vocab))
     if args.long_context:
         row = long_context(model, args.long_context, args.new, args.chunk, vocab)
         results["long_context"] = row

@@ -26,6 +26,7 @@ __all__ = ["attention", "attention_backend", "set_attention_backend"]
 Tensor = torch.Tensor
 
 _BACKENDS = ("auto", "sdpa", "torch")
+_FUSED_MAX_HEAD_DIM = 256  # the largest head dim SDPA's flash and memory-efficient kernels take
 _default_backend = os.environ.get("KIMI_ATTENTION_BACKEND", "auto")
 
 
@@ -69,6 +70,10 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: bool,
     bad_mask = mask is not None and (mask.shape != (B, Tq, Tk) or mask.dtype != torch.bool)
     if Hq % Hk or k.shape[3] != Dk or v.shape[:3] != k.shape[:3] or (causal and Tq > Tk) or bad_mask:
         return masked_attention(q, k, v, scale, causal, key_mask, mask)  # its error messages
+    if Hk < Hq and max(Dk, Dv) > _FUSED_MAX_HEAD_DIM and not (mask is None and Tq == Tk):
+        # no fused kernel takes these head dims (MLA's absorbed decode: 576 / 512), and SDPA's math
+        # fallback copies K and V once per query head; the reference shares them across the group
+        return masked_attention(q, k, v, scale, causal, key_mask, mask)
     scale = Dk ** -0.5 if scale is None else float(scale)
     dtype = v.dtype
     q, k = q.to(dtype), k.to(dtype)

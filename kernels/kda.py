@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from .fusion import fused_on_cuda
 
-__all__ = ["kda_chunk", "kda_recurrent", "kda", "kda_gate", "fla_available", "set_kda_backend", "kda_backend"]
+__all__ = ["kda_chunk", "kda_recurrent", "kda", "kda_in_slots", "kda_gate", "fla_available", "set_kda_backend",
+           "kda_backend"]
 
 Tensor = torch.Tensor
 
@@ -275,6 +276,23 @@ def _load_fla() -> tuple | None:
     return _FLA or None
 
 
+_FLA_IN_PLACE: object = None
+
+
+def _load_fla_in_place():
+    """fla's recurrent forward that reads and writes states where they lie (`ssm_state_indices`,
+    `inplace_final_state`: its continuous-batching mode, not in the public wrapper), or None."""
+    global _FLA_IN_PLACE
+    if _FLA_IN_PLACE is None:
+        try:
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # type: ignore
+
+            _FLA_IN_PLACE = fused_recurrent_kda_fwd
+        except Exception:
+            _FLA_IN_PLACE = False
+    return _FLA_IN_PLACE or None
+
+
 def fla_available() -> bool:
     """True when fla-core's KDA kernels import (they still need CUDA tensors to run)."""
     return _load_fla() is not None
@@ -340,6 +358,36 @@ def kda(
     if T == 1:
         return kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state)
     return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state)
+
+
+def kda_in_slots(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    slots: Tensor,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """KDA whose states live in a pool: row b starts from state_pool[slots[b]] and its final state
+    is written back there (float32 pool [N, HV, K, V], slots [B] long). Returns o [B, T, HV, V].
+    A decode step (T == 1, no grad) on CUDA with fla reads and writes each state once, in place;
+    otherwise the rows' states are gathered, run through `kda`, and scattered back. Rows may share
+    a slot only when what it holds afterwards does not matter (padding rows on a scratch slot)."""
+    backend = _default_backend if backend is None else backend
+    in_place = _load_fla_in_place() if (backend != "torch" and q.is_cuda and q.shape[1] == 1
+                                        and not torch.is_grad_enabled() and q.dtype != torch.float64) else None
+    if in_place is not None and state_pool.dtype == torch.float32 and state_pool.is_contiguous():
+        o, _ = in_place(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+                        scale=scale, initial_state=state_pool, inplace_final_state=True,
+                        ssm_state_indices=slots.to(torch.int32))
+        return o
+    o, final = kda(q, k, v, g, beta, scale=scale, initial_state=state_pool.index_select(0, slots),
+                   output_final_state=True, backend=backend)
+    state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
+    return o
 
 
 # ----------------------------------------------------------------------------- gate

@@ -191,11 +191,12 @@ def masked_attention(
         raise ValueError(f"masked_attention: causal needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
     scale = Dk**-0.5 if scale is None else float(scale)
 
+    # query heads grouped by the key head they share (head h uses key head h // rep): one product
+    # per group, never a copy of the keys and values per query head
     rep = Hq // Hk
     kf, vf = _up(k), _up(v)
-    if rep > 1:
-        kf, vf = kf.repeat_interleave(rep, dim=2), vf.repeat_interleave(rep, dim=2)
-    logits = torch.einsum("bqhd,bkhd->bhqk", _up(q), kf) * scale  # [B, Hq, Tq, Tk]
+    qg = _up(q).view(B, Tq, Hk, rep, Dk)
+    logits = torch.einsum("bqgrd,bkgd->bgrqk", qg, kf).reshape(B, Hq, Tq, Tk) * scale
 
     allowed = torch.ones(B, 1, Tq, Tk, dtype=torch.bool, device=q.device)
     if causal:
@@ -225,5 +226,5 @@ def masked_attention(
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     if sink is not None:
         p = p[..., :Tk]  # the sink takes probability mass but has no value
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vf)
+    out = torch.einsum("bgrqk,bkgd->bqgrd", p.view(B, Hk, rep, Tq, Tk), vf).reshape(B, Tq, Hq, vf.shape[-1])
     return out.to(v.dtype)

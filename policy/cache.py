@@ -43,6 +43,27 @@ class KDACache:
 
 
 @dataclass
+class SlotKDAView:
+    """A batch's KDA cache inside a serving engine's slot pool (policy/slot_cache.py): rows `slots`
+    of the pool's states and conv windows. A forward updates the states in place (a decode step
+    reads and writes each one where it lies, no copy out and back) and returns the view with the
+    batch's new conv windows in `new_conv`, for the pool's owner to write back."""
+
+    state_pool: Tensor  # [N, HV, K, V] float32: every slot's state
+    conv_pool: Tensor  # [N, W - 1, C]
+    slots: Tensor  # [B] long
+    new_conv: Tensor | None = None  # [B, W - 1, C], after a forward
+
+    @property
+    def batch_size(self) -> int:
+        return self.slots.shape[0]
+
+    @property
+    def conv(self) -> Tensor:
+        return self.conv_pool.index_select(0, self.slots)
+
+
+@dataclass
 class MLACache:
     latent: Tensor  # [B, S, kv_lora_rank]: normalised compressed KV
     k_rope: Tensor  # [B, S, qk_rope_head_dim]: the shared (unrotated) key part
@@ -118,7 +139,7 @@ class MLACache:
         )
 
 
-LayerCache = KDACache | MLACache
+LayerCache = KDACache | SlotKDAView | MLACache
 
 
 class ModelCache:
@@ -170,4 +191,6 @@ class ModelCache:
 
 
 def _device(c: LayerCache) -> torch.device:
+    if isinstance(c, SlotKDAView):
+        return c.state_pool.device
     return c.state.device if isinstance(c, KDACache) else c.latent.device

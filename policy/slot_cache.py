@@ -3,8 +3,9 @@
 KDA layers keep a fixed-size recurrent state and short-conv window per slot (preallocated
 [max_slots, ...] tensors). MLA/DSA layers keep their latent keys in fixed-size blocks of a shared
 pool; each slot has a block table (vLLM's paged layout). A forward over some slots reads a
-`ModelCache` view (`view`), and `commit` writes the new KDA states back into their slots; the MLA
-view writes the new keys straight into the slots' blocks.
+`ModelCache` view (`view`): its KDA layers update the slots' states where they lie and its MLA
+layers write the new keys straight into the slots' blocks; `commit` then writes the new conv
+windows and advances the lengths.
 
 Forking (one prompt, a GRPO group of continuations) shares the prompt's full blocks between the
 slots (reference counts) and copies only the last, partly filled block: a slot only ever writes at
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import KDACache, MLACache, ModelCache
+from .cache import KDACache, MLACache, ModelCache, SlotKDAView
 from .config import ModelConfig
 
 Tensor = torch.Tensor
@@ -295,22 +296,21 @@ class SlotCache:
         for i in range(len(self.layers)):
             if i in self._kda:
                 c = self._kda[i]
-                layers.append(KDACache(c.state.index_select(0, slots), c.conv.index_select(0, slots)))
+                layers.append(SlotKDAView(c.state, c.conv, slots))
             else:
                 layers.append(PagedMLAView(self._mla[i], past_index, past_valid, write_index, new_valid, scratch))
         return ModelCache(layers, lengths)
 
     def commit(self, slots: list[int], out: ModelCache, n_new: list[int]) -> None:
-        """After the forward: the slots' new KDA states, and their lengths grown by n_new."""
+        """After the forward: the slots' new conv windows, and their lengths grown by n_new."""
         self.write_states(torch.tensor(slots, device=self.device), out)
         self.advance(slots, n_new)
 
     def write_states(self, slots: Tensor, out: ModelCache) -> None:
-        """The forward's new KDA states into `slots` [B] (on the cache's device)."""
+        """The forward's new KDA conv windows into `slots` [B] (on the cache's device); the forward
+        itself updated their states in the pool (SlotKDAView)."""
         for i, c in self._kda.items():
-            new = out.layers[i]
-            c.state.index_copy_(0, slots, new.state.to(c.state.dtype))
-            c.conv.index_copy_(0, slots, new.conv.to(c.conv.dtype))
+            c.conv.index_copy_(0, slots, out.layers[i].new_conv.to(c.conv.dtype))
 
     def advance(self, slots: list[int], n_new: list[int]) -> None:
         """The slots' lengths grown by the tokens a forward fed them."""

@@ -8,14 +8,15 @@ o_norm, o_proj.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.kda import kda, kda_gate
+from kernels.kda import kda, kda_gate, kda_in_slots
 
-from ..cache import KDACache
+from ..cache import KDACache, SlotKDAView
 from ..config import ModelConfig
 from ._ops import l2norm, short_conv
 from .norms import GatedRMSNorm
@@ -96,7 +97,7 @@ class KDAMixer(nn.Module):
         proj = F.linear(x, torch.cat([p.weight for p in first]))
         return tuple(proj.split([sum(sizes[:3])] + sizes[3:], dim=-1))
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None, use_cache: bool = False,
+    def forward(self, x: torch.Tensor, cache: KDACache | SlotKDAView | None = None, use_cache: bool = False,
                 token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, KDACache | None]:
         """token_mask [B, T] bool (right padding): padded positions neither decay nor write the
         recurrent state (gate 0, beta 0), so the final state is each row's after its last real token."""
@@ -119,9 +120,13 @@ class KDAMixer(nn.Module):
         if token_mask is not None:
             g = g * token_mask[:, :, None, None].to(g.dtype)
             beta = beta * token_mask[:, :, None].to(beta.dtype)
-        state = None if cache is None else cache.state
-        o, final = kda(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
+        if isinstance(cache, SlotKDAView):  # a serving engine's slots: the states are updated where they lie
+            o = kda_in_slots(q, k, v, g, beta, cache.state_pool, cache.slots)
+            new_cache = replace(cache, new_conv=new_window)
+        else:
+            state = None if cache is None else cache.state
+            o, final = kda(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
+            new_cache = KDACache(final, new_window) if use_cache else None
         gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)
         o = self.o_norm(o, gate.reshape(B, T, self.HV, self.V)).reshape(B, T, self.HV * self.V)
-        new_cache = KDACache(final, new_window) if use_cache else None
         return self.o_proj(o), new_cache

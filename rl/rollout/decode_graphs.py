@@ -5,8 +5,9 @@ step is bound by the launches, not by the GPU. Captured once per shape in a CUDA
 one launch. A graph fixes every shape and address, so a decode batch is padded to the next batch
 bucket (padding rows read and write the slot cache's scratch slot and block) and every row's past
 keys to the next key-length bucket (masked); the step's inputs are copied into buffers the graph
-reads, its outputs read from buffers it writes. Inside the graph the forward also writes the new
-KDA states into their slots (the new keys go into their blocks in the forward itself).
+reads, its outputs read from buffers it writes. Inside the graph the forward updates the KDA
+states in their slots and writes the new keys into their blocks; the step then writes the new conv
+windows into the slots.
 
 The graphs hold the addresses of the model's weights and of the cache's tensors: weight updates
 copy into the weights in place, so the graphs follow them; a cache released and allocated again

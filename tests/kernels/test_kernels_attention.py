@@ -58,3 +58,26 @@ def test_backend_switch_and_reference_only_cases():
     assert torch.equal(attention(q, k, v), masked_attention(q, k, v))
     with pytest.raises(ValueError, match="backend"):
         attention(q, k, v, backend="flash3")
+
+
+def test_grouped_query_heads_equal_keys_copied_per_head():
+    """The reference shares each key head across its query heads (no copy): the same result as
+    copying K and V once per query head, with every mask and a sink."""
+    q, k, v = _qkv(2, 3, 9, 6, 2, 8, 5, seed=4)
+    key_mask = torch.rand(2, 9, generator=torch.Generator().manual_seed(5)) > 0.3
+    sel = topk_to_mask(torch.randint(0, 9, (2, 3, 4), generator=torch.Generator().manual_seed(6)), 9)
+    sink = torch.linspace(-1, 1, 6)
+    grouped = masked_attention(q, k, v, key_mask=key_mask, mask=sel, sink=sink)
+    copied = masked_attention(q, k.repeat_interleave(3, dim=2), v.repeat_interleave(3, dim=2),
+                              key_mask=key_mask, mask=sel, sink=sink)
+    assert torch.allclose(grouped, copied, atol=1e-6)
+
+
+def test_head_dims_past_the_fused_kernels_take_the_grouped_reference():
+    """MLA's absorbed decode (one shared latent key head of dim > 256, a key mask): no fused kernel
+    takes it, so the fused backend answers with the reference instead of SDPA's per-head copies."""
+    q, k, v = _qkv(3, 1, 11, 8, 1, 288, 272, seed=7)
+    key_mask = torch.ones(3, 11, dtype=torch.bool)
+    key_mask[1, :4] = False
+    out = attention(q, k, v, scale=0.05, key_mask=key_mask, backend="sdpa")
+    assert torch.equal(out, masked_attention(q, k, v, scale=0.05, key_mask=key_mask))

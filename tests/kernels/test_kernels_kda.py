@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.kda import kda, kda_chunk, kda_gate, kda_recurrent
+from kernels.kda import fla_available, kda, kda_chunk, kda_gate, kda_in_slots, kda_recurrent
 
 
 def make_inputs(B=2, T=70, H=2, HV=4, K=8, V=6, gate="softplus", dtype=torch.float64, seed=0):
@@ -251,3 +251,39 @@ def test_backend_default_switch():
         assert torch.equal(o, kda_chunk(q, k, v, g, beta)[0])
     with pytest.raises(ValueError, match="backend"):
         set_kda_backend("triton")
+
+
+def _pool_case(T: int, device: str, dtype: torch.dtype, seed: int):
+    """Three rows whose states sit in slots 4, 0 and 2 of a 6-slot float32 pool."""
+    q, k, v, g, beta, _ = make_inputs(B=3, T=T, H=2, HV=4, K=16, V=32, dtype=dtype, seed=seed)
+    pool = torch.randn(6, 4, 16, 32, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    slots = torch.tensor([4, 0, 2], device=device)
+    return [t.to(device) for t in (q, k, v, g, beta)], pool, slots
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_kda_in_slots_updates_the_rows_slots_and_nothing_else(T):
+    """A batch's states read from and written back into their pool slots equal kda on the gathered
+    states; the slots no row uses keep their states."""
+    (q, k, v, g, beta), pool, slots = _pool_case(T, "cpu", torch.float32, seed=20)
+    before = pool.clone()
+    o = kda_in_slots(q, k, v, g, beta, pool, slots)
+    o_ref, final = kda(q, k, v, g, beta, initial_state=before[slots], output_final_state=True)
+    assert torch.equal(o, o_ref) and torch.equal(pool[slots], final)
+    untouched = torch.tensor([1, 3, 5])
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla-core")
+def test_kda_in_slots_fla_decode_step_equals_the_torch_path():
+    """On CUDA the decode step runs fla's recurrent kernel on the pool in place (its continuous-
+    batching mode): the same outputs and states as the torch path's gather, step and scatter."""
+    (q, k, v, g, beta), pool, slots = _pool_case(1, "cuda", torch.float32, seed=21)
+    pool_torch = pool.clone()
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    with torch.no_grad():
+        o = kda_in_slots(q, k, v, g, beta, pool, slots)
+        o_ref = kda_in_slots(q, k, v, g, beta, pool_torch, slots, backend="torch")
+    assert o.dtype == o_ref.dtype == torch.bfloat16
+    assert torch.allclose(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+    assert torch.allclose(pool, pool_torch, atol=1e-4, rtol=1e-4)
