@@ -298,16 +298,18 @@ def fla_available() -> bool:
     return _load_fla() is not None
 
 
-_BACKENDS = ("auto", "fla", "torch")
+# "fla_recurrent": fla only for 1-token steps (its recurrent kernel has no autotuning), torch for the
+# rest: for short GPU runs where chunk_kda's first-call autotuning per shape (minutes) costs more than it saves
+_BACKENDS = ("auto", "fla", "fla_recurrent", "torch")
 # Process-wide default for kda(backend=None); benchmarks flip it to time the torch path.
 _default_backend = os.environ.get("KIMI_KDA_BACKEND", "auto")
 
 
 def set_kda_backend(name: str) -> str:
-    """Set the default backend of kda(): "auto", "fla" or "torch". Returns the previous one."""
+    """Set the default backend of kda(): "auto", "fla", "fla_recurrent" or "torch". Returns the previous one."""
     global _default_backend
     if name not in _BACKENDS:
-        raise ValueError(f"kda: backend must be 'auto', 'fla' or 'torch', got {name!r}")
+        raise ValueError(f"kda: backend must be one of {_BACKENDS}, got {name!r}")
     prev, _default_backend = _default_backend, name
     return prev
 
@@ -335,13 +337,16 @@ def kda(
 ) -> tuple[Tensor, Tensor | None]:
     """KDA with backend choice (None = the process default, see set_kda_backend):
     "auto": fla-core on CUDA when importable (chunk_kda; fused_recurrent_kda for a 1-token
-    step without grad), else torch; "fla": require fla-core; "torch": kda_chunk for T > 1,
-    kda_recurrent for T == 1. float64 inputs always take the torch path (fla has no fp64)."""
+    step without grad), else torch; "fla": require fla-core; "fla_recurrent": "auto" for 1-token
+    steps without grad, torch otherwise; "torch": kda_chunk for T > 1, kda_recurrent for T == 1.
+    float64 inputs always take the torch path (fla has no fp64)."""
     backend = _default_backend if backend is None else backend
     if backend not in _BACKENDS:
-        raise ValueError(f"kda: backend must be 'auto', 'fla' or 'torch', got {backend!r}")
+        raise ValueError(f"kda: backend must be one of {_BACKENDS}, got {backend!r}")
     _check_inputs(q, k, v, g, beta, initial_state)
     T = q.shape[1]
+    if backend == "fla_recurrent":
+        backend = "auto" if T == 1 and not torch.is_grad_enabled() else "torch"
     fla = _load_fla() if backend != "torch" and q.is_cuda else None
     if backend == "fla" and (fla is None or q.dtype == torch.float64):
         raise RuntimeError("kda: backend='fla' needs fla-core importable, CUDA tensors and no float64")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .cache import KDACache, MLACache, ModelCache, SlotKDAView
@@ -105,9 +106,9 @@ class SlotCache:
         self._allocate()
         self.lengths = [0] * max_slots  # tokens each slot's cache holds
         self.tables: list[list[int]] = [[] for _ in range(max_slots)]
-        # the block tables again as one tensor, for vectorised position lookups in `view`: as wide as
-        # the longest table so far, not the pool (a budget-sized pool has millions of blocks)
-        self._table_t = torch.zeros(max_slots, 1, dtype=torch.long)
+        # the block tables again as one array, for vectorised position lookups in `indices`: as wide
+        # as the longest table so far, not the pool (a budget-sized pool has millions of blocks)
+        self._table_np = np.zeros((max_slots, 1), dtype=np.int64)
         self.refs = [0] * num_blocks
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._free_slots = list(range(max_slots - 1, -1, -1))
@@ -208,12 +209,12 @@ class SlotCache:
 
     def _set_table(self, slot: int, table: list[int]) -> None:
         self.tables[slot] = table
-        width = self._table_t.shape[1]
+        width = self._table_np.shape[1]
         if len(table) > width:  # widened by doubling, so rarely
-            grown = torch.zeros(self.max_slots, max(len(table), 2 * width) - width, dtype=torch.long)
-            self._table_t = torch.cat([self._table_t, grown], 1)
+            grown = np.zeros((self.max_slots, max(len(table), 2 * width) - width), dtype=np.int64)
+            self._table_np = np.concatenate([self._table_np, grown], 1)
         if table:
-            self._table_t[slot, :len(table)] = torch.tensor(table)
+            self._table_np[slot, :len(table)] = table
 
     def _unref(self, block: int) -> None:
         self.refs[block] -= 1
@@ -262,28 +263,29 @@ class SlotCache:
     def view(self, slots: list[int], n_new: list[int], width: int) -> ModelCache:
         """The cache of `slots` for a forward of `width` new tokens per row, of which row b's first
         n_new[b] are real (the rest padding). Blocks for them must be reserved."""
-        past_index, past_valid, write_index, real = (t.to(self.device) for t in self.indices(slots, n_new, width))
+        past_index, past_valid, write_index, real = (torch.from_numpy(a).to(self.device)
+                                                     for a in self.indices(slots, n_new, width))
         lengths = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=self.device)
         return self.view_of(torch.tensor(slots, device=self.device), past_index, past_valid, write_index, real, lengths)
 
     def indices(self, slots: list[int], n_new: list[int], width: int, past_width: int | None = None
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """On the host, for the MLA layers: past_index / past_valid [B, P] (each row's past keys at
-        the front; P the longest row's length, or `past_width` if given), write_index / new_valid
-        [B, width] (where the new tokens go; padding goes to the scratch block)."""
-        past_len = [self.lengths[s] for s in slots]
-        lens = torch.tensor(past_len, dtype=torch.long)
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """On the host (numpy: a decode step calls it every token, and torch's per-op cost on small
+        CPU tensors would be most of the step), for the MLA layers: past_index / past_valid [B, P]
+        (each row's past keys at the front; P the longest row's length, or `past_width` if given),
+        write_index / new_valid [B, width] (where the new tokens go; padding goes to the scratch block)."""
+        lens = np.array([self.lengths[s] for s in slots], dtype=np.int64)
         bs = self.block_size
-        P = max(past_len) if past_width is None else past_width
-        tables = self._table_t.index_select(0, torch.tensor(slots))
+        P = int(lens.max(initial=0)) if past_width is None else past_width
+        tables = self._table_np[slots]
         last = tables.shape[1] - 1  # positions past a row's table (invalid, padding, no MLA layer) read any block
-        pos = torch.arange(P)
+        pos = np.arange(P)
         past_valid = pos[None] < lens[:, None]  # [B, P]
-        past_index = tables[:, (pos // bs).clamp(max=last)] * bs + pos % bs  # rows' keys at the front
-        new_pos = lens[:, None] + torch.arange(width)[None]  # [B, width]
-        real = torch.arange(width)[None] < torch.tensor(n_new)[:, None]
-        blocks = tables.gather(1, (new_pos // bs).clamp(max=last))
-        write_index = torch.where(real, blocks * bs + new_pos % bs, self.num_blocks * bs)
+        past_index = tables[:, np.minimum(pos // bs, last)] * bs + pos % bs  # rows' keys at the front
+        new_pos = lens[:, None] + np.arange(width)[None]  # [B, width]
+        real = np.arange(width)[None] < np.array(n_new)[:, None]
+        blocks = np.take_along_axis(tables, np.minimum(new_pos // bs, last), 1)
+        write_index = np.where(real, blocks * bs + new_pos % bs, self.num_blocks * bs)
         return past_index, past_valid, write_index, real
 
     def view_of(self, slots: Tensor, past_index: Tensor, past_valid: Tensor, write_index: Tensor,

@@ -20,8 +20,6 @@ decode step there; the experts' per-expert loop stays eager)."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-
 import torch
 
 from policy.slot_cache import SlotCache
@@ -40,19 +38,27 @@ def key_bucket(n: int) -> int:
     return max(MIN_KEY_BUCKET, 1 << max(n - 1, 0).bit_length())
 
 
-@dataclass
 class _Buffers:
-    """One shape's inputs and outputs, at fixed addresses."""
+    """One shape's inputs and outputs, at fixed addresses. The inputs are columns of one int64
+    tensor, filled on the host in a (pinned) staging copy and sent in one transfer a step."""
 
-    ids: torch.Tensor  # [B, 1]
-    slots: torch.Tensor  # [B]
-    lengths: torch.Tensor  # [B]
-    past_index: torch.Tensor  # [B, P]
-    past_valid: torch.Tensor  # [B, P]
-    write_index: torch.Tensor  # [B, 1]
-    new_valid: torch.Tensor  # [B, 1]
-    logits: torch.Tensor | None = None  # [B, vocab] float32, written by the step
-    routing: torch.Tensor | None = None  # [B, n_moe, k], written by the step when recorded
+    def __init__(self, batch: int, keys: int, device: torch.device) -> None:
+        self.keys = keys
+        self.packed = torch.zeros(batch, _FIXED_COLUMNS + 2 * keys, dtype=torch.long, device=device)
+        self.staging = torch.zeros(self.packed.shape, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.sent: torch.cuda.Event | None = None  # the last transfer out of `staging`
+        self.logits: torch.Tensor | None = None  # [B, vocab] float32, written by the step
+        self.routing: torch.Tensor | None = None  # [B, n_moe, k], written by the step when recorded
+
+    def column(self, name: str) -> torch.Tensor:
+        """ids, slots, lengths, write_index, new_valid [B, 1]; past_index, past_valid [B, keys]
+        (the valid flags as 0/1: the step turns them into masks)."""
+        start = _COLUMNS.index(name) if name in _COLUMNS else _FIXED_COLUMNS + (name == "past_valid") * self.keys
+        return self.packed[:, start:start + (1 if name in _COLUMNS else self.keys)]
+
+
+_COLUMNS = ("ids", "slots", "lengths", "write_index", "new_valid")
+_FIXED_COLUMNS = len(_COLUMNS)
 
 
 class DecodeGraphs:
@@ -91,39 +97,39 @@ class DecodeGraphs:
 
     # ---- inputs ------------------------------------------------------------------------------
     def _allocate(self, batch: int, keys: int) -> _Buffers:
-        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-
-        buf = _Buffers(zeros(batch, 1), zeros(batch), zeros(batch), zeros(batch, keys),
-                       zeros(batch, keys, dtype=torch.bool), zeros(batch, 1), zeros(batch, 1, dtype=torch.bool))
-        self._buffers[(batch, keys)] = buf
+        buf = self._buffers[(batch, keys)] = _Buffers(batch, keys, self.device)
         return buf
 
     def _fill(self, buf: _Buffers, slots: list[int], tokens: list[int]) -> None:
         """The batch into the buffers; rows past it read and write the scratch slot and block."""
-        n, pad = len(slots), buf.slots.shape[0] - len(slots)
-        past_index, past_valid, write_index, _ = self.cache.indices(slots, [1] * n, 1, buf.past_index.shape[1])
-        scratch_row = self.cache.num_blocks * self.cache.block_size
-        rows = [
-            (buf.ids, torch.tensor(tokens).view(n, 1), 0),
-            (buf.slots, torch.tensor(slots), self.cache.scratch_slot),
-            (buf.lengths, torch.tensor([self.cache.lengths[s] for s in slots]), 0),
-            (buf.past_index, past_index, 0),
-            (buf.past_valid, past_valid, False),
-            (buf.write_index, write_index, scratch_row),
-            (buf.new_valid, torch.ones(n, 1, dtype=torch.bool), True),  # a padding row attends to its own key
-        ]
-        for dst, src, fill in rows:
-            if pad:
-                src = torch.cat([src, torch.full((pad, *src.shape[1:]), fill, dtype=src.dtype)])
-            dst.copy_(src, non_blocking=True)
+        n = len(slots)
+        past_index, past_valid, write_index, _ = self.cache.indices(slots, [1] * n, 1, buf.keys)
+        if buf.sent is not None:
+            buf.sent.synchronize()  # the last step's transfer has left the staging copy
+        host = buf.staging.numpy()
+        k = _FIXED_COLUMNS
+        host[:n, 0] = tokens
+        host[:n, 1] = slots
+        host[:n, 2] = [self.cache.lengths[s] for s in slots]
+        host[:n, 3] = write_index[:, 0]
+        host[:, 4] = 1  # a padding row attends to its own key
+        host[:n, k:k + buf.keys] = past_index
+        host[:n, k + buf.keys:] = past_valid
+        host[n:, :4] = (0, self.cache.scratch_slot, 0, self.cache.num_blocks * self.cache.block_size)
+        host[n:, k:] = 0
+        buf.packed.copy_(buf.staging, non_blocking=True)
+        if self.device.type == "cuda":
+            buf.sent = torch.cuda.Event()
+            buf.sent.record()
 
     # ---- the step ----------------------------------------------------------------------------
     def _forward(self, buf: _Buffers) -> None:
-        view = self.cache.view_of(buf.slots, buf.past_index, buf.past_valid, buf.write_index, buf.new_valid,
-                                  buf.lengths)
-        out = self.model(buf.ids, cache=view, use_cache=True, logits_to_keep=1, return_routing=self.record_routing)
-        self.cache.write_states(buf.slots, out.cache)
+        col = buf.column
+        slots = col("slots")[:, 0]
+        view = self.cache.view_of(slots, col("past_index"), col("past_valid") != 0, col("write_index"),
+                                  col("new_valid") != 0, col("lengths")[:, 0])
+        out = self.model(col("ids"), cache=view, use_cache=True, logits_to_keep=1, return_routing=self.record_routing)
+        self.cache.write_states(slots, out.cache)
         logits = out.logits[:, -1]
         if buf.logits is None:
             buf.logits = torch.empty_like(logits)
@@ -156,10 +162,10 @@ class DecodeGraphs:
         """Warm up (kernels compiled and tuned, output buffers made) and capture on a side stream,
         with the buffers pointing at the scratch slot and block: neither run may change a real
         sequence's state. The caller fills the buffers again before replaying."""
-        real = {name: getattr(buf, name).clone() for name in ("slots", "past_valid", "write_index")}
-        buf.slots.fill_(self.cache.scratch_slot)
-        buf.past_valid.fill_(False)
-        buf.write_index.fill_(self.cache.num_blocks * self.cache.block_size)
+        real = buf.packed.clone()
+        buf.column("slots").fill_(self.cache.scratch_slot)
+        buf.column("past_valid").fill_(0)
+        buf.column("write_index").fill_(self.cache.num_blocks * self.cache.block_size)
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -173,7 +179,6 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self._pool):
                 self._forward(buf)
         finally:
-            for name, value in real.items():
-                getattr(buf, name).copy_(value)
+            buf.packed.copy_(real)
         self.captured += 1
         return graph

@@ -287,3 +287,17 @@ def test_kda_in_slots_fla_decode_step_equals_the_torch_path():
     assert o.dtype == o_ref.dtype == torch.bfloat16
     assert torch.allclose(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
     assert torch.allclose(pool, pool_torch, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla-core"))])
+def test_fla_recurrent_backend_runs_chunks_on_the_torch_path(device):
+    """"fla_recurrent" gives fla only the 1-token steps: a chunk is the torch path's, bit for bit."""
+    q, k, v, g, beta, h0 = (t.to(device) for t in make_inputs(T=9, dtype=torch.float32, seed=22))
+    o, s = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="fla_recurrent")
+    o_t, s_t = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="torch")
+    assert torch.equal(o, o_t) and torch.equal(s, s_t)
+    with torch.no_grad():
+        o1, _ = kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], initial_state=h0, backend="fla_recurrent")
+    o1_t, _ = kda_recurrent(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], initial_state=h0)
+    assert torch.allclose(o1, o1_t, atol=1e-4)
