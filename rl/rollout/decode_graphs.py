@@ -20,6 +20,8 @@ decode step there; the experts' per-expert loop stays eager)."""
 from __future__ import annotations
 
 import warnings
+
+import numpy as np
 import torch
 
 from policy.slot_cache import SlotCache
@@ -39,26 +41,28 @@ def key_bucket(n: int) -> int:
 
 
 class _Buffers:
-    """One shape's inputs and outputs, at fixed addresses. The inputs are columns of one int64
+    """One shape's inputs and outputs, at fixed addresses. The inputs are column ranges of one int64
     tensor, filled on the host in a (pinned) staging copy and sent in one transfer a step."""
 
     def __init__(self, batch: int, keys: int, device: torch.device) -> None:
+        # ids, slots, lengths, write_index, new_valid: [B, 1]; past_index, past_valid: [B, keys]
+        # (the valid flags as 0/1: the step turns them into masks)
+        widths = {"ids": 1, "slots": 1, "lengths": 1, "write_index": 1, "new_valid": 1,
+                  "past_index": keys, "past_valid": keys}
+        self.columns: dict[str, slice] = {}
+        start = 0
+        for name, width in widths.items():
+            self.columns[name] = slice(start, start + width)
+            start += width
         self.keys = keys
-        self.packed = torch.zeros(batch, _FIXED_COLUMNS + 2 * keys, dtype=torch.long, device=device)
+        self.packed = torch.zeros(batch, start, dtype=torch.long, device=device)
         self.staging = torch.zeros(self.packed.shape, dtype=torch.long, pin_memory=device.type == "cuda")
         self.sent: torch.cuda.Event | None = None  # the last transfer out of `staging`
         self.logits: torch.Tensor | None = None  # [B, vocab] float32, written by the step
         self.routing: torch.Tensor | None = None  # [B, n_moe, k], written by the step when recorded
 
     def column(self, name: str) -> torch.Tensor:
-        """ids, slots, lengths, write_index, new_valid [B, 1]; past_index, past_valid [B, keys]
-        (the valid flags as 0/1: the step turns them into masks)."""
-        start = _COLUMNS.index(name) if name in _COLUMNS else _FIXED_COLUMNS + (name == "past_valid") * self.keys
-        return self.packed[:, start:start + (1 if name in _COLUMNS else self.keys)]
-
-
-_COLUMNS = ("ids", "slots", "lengths", "write_index", "new_valid")
-_FIXED_COLUMNS = len(_COLUMNS)
+        return self.packed[:, self.columns[name]]
 
 
 class DecodeGraphs:
@@ -106,17 +110,21 @@ class DecodeGraphs:
         past_index, past_valid, write_index, _ = self.cache.indices(slots, [1] * n, 1, buf.keys)
         if buf.sent is not None:
             buf.sent.synchronize()  # the last step's transfer has left the staging copy
-        host = buf.staging.numpy()
-        k = _FIXED_COLUMNS
-        host[:n, 0] = tokens
-        host[:n, 1] = slots
-        host[:n, 2] = [self.cache.lengths[s] for s in slots]
-        host[:n, 3] = write_index[:, 0]
-        host[:, 4] = 1  # a padding row attends to its own key
-        host[:n, k:k + buf.keys] = past_index
-        host[:n, k + buf.keys:] = past_valid
-        host[n:, :4] = (0, self.cache.scratch_slot, 0, self.cache.num_blocks * self.cache.block_size)
-        host[n:, k:] = 0
+        host, col = buf.staging.numpy(), buf.columns
+        real, pad = slice(0, n), slice(n, None)
+        host[real, col["ids"]] = np.asarray(tokens)[:, None]
+        host[real, col["slots"]] = np.asarray(slots)[:, None]
+        host[real, col["lengths"]] = np.asarray([self.cache.lengths[s] for s in slots])[:, None]
+        host[real, col["write_index"]] = write_index
+        host[real, col["past_index"]] = past_index
+        host[real, col["past_valid"]] = past_valid
+        host[:, col["new_valid"]] = 1  # a padding row attends to its own key
+        host[pad, col["ids"]] = 0
+        host[pad, col["slots"]] = self.cache.scratch_slot
+        host[pad, col["lengths"]] = 0
+        host[pad, col["write_index"]] = self.cache.num_blocks * self.cache.block_size
+        host[pad, col["past_index"]] = 0
+        host[pad, col["past_valid"]] = 0
         buf.packed.copy_(buf.staging, non_blocking=True)
         if self.device.type == "cuda":
             buf.sent = torch.cuda.Event()
