@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -78,23 +81,38 @@ class StackedExperts(nn.Module):
         tok = order // idx.shape[1]
         zs = z[tok]
         if ep_group is None:
-            out = self.grouped(zs, expert_counts(flat_e, self.w1.shape[0]))
+            out = self.grouped(zs, expert_counts(flat_e, self.w1.shape[0]), capacity=len(z))
         else:
             n_experts = self.w1.shape[0] * dist.get_world_size(ep_group)
             out = expert_parallel(self.grouped, zs, expert_counts(flat_e, n_experts), ep_group)
         weighted = out.float() * w.reshape(-1)[order, None]
         return torch.zeros(len(z), out.shape[-1], device=z.device, dtype=torch.float32).index_add_(0, tok, weighted)
 
-    def grouped(self, zs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def grouped(self, zs: torch.Tensor, counts: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
         """zs: [M, dim] rows sorted by expert, counts[e] of them for expert e -> Expert_e(row),
-        [M, dim]: one grouped GEMM per projection on CUDA, one GEMM per used expert elsewhere."""
+        [M, dim]: one grouped GEMM per projection on CUDA, one GEMM per used expert elsewhere, or
+        inside `fixed_capacity_experts()` batched products over `capacity` rows per expert (at most
+        that many rows go to one expert: the tokens, each routed to an expert once; default M)."""
         if _grouped_mm_usable(zs, self.w1):
             offs = counts.cumsum(0).to(torch.int32)
             w1, w2, w3 = (_aligned(w) for w in (self.w1, self.w2, self.w3))
             gate = torch._grouped_mm(zs, w1.transpose(-2, -1), offs=offs)
             up = torch._grouped_mm(zs, w3.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(glu(gate, up, *self.act), w2.transpose(-2, -1), offs=offs)
+        if _fixed_capacity.enabled:
+            return self._fixed_capacity(zs, counts, zs.shape[0] if capacity is None else capacity)
         return self._per_expert(zs, counts)
+
+    def _fixed_capacity(self, zs: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
+        """The experts as three batched products over [E, capacity, dim]: every expert's rows in its
+        own padded block. Shapes never depend on the counts (no host read), so a CUDA graph can
+        hold it; the cost is E x capacity rows, for decoding batches."""
+        E, M = counts.shape[0], zs.shape[0]
+        expert = torch.repeat_interleave(torch.arange(E, device=zs.device), counts, output_size=M)
+        pos = torch.arange(M, device=zs.device) - (counts.cumsum(0) - counts)[expert]
+        blocks = zs.new_zeros(E, capacity, zs.shape[1]).index_put_((expert, pos), zs)
+        h = glu(torch.bmm(blocks, self.w1.transpose(1, 2)), torch.bmm(blocks, self.w3.transpose(1, 2)), *self.act)
+        return torch.bmm(h, self.w2.transpose(1, 2))[expert, pos]
 
     @torch.compiler.disable  # data-dependent sizes: left eager inside a compiled forward
     def _per_expert(self, zs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -106,6 +124,24 @@ class StackedExperts(nn.Module):
                 parts.append(h @ self.w2[e].t())
             start += c
         return torch.cat(parts) if parts else zs.new_zeros(0, self.w2.shape[1])
+
+
+class _FixedCapacity(threading.local):
+    enabled = False
+
+
+_fixed_capacity = _FixedCapacity()
+
+
+@contextmanager
+def fixed_capacity_experts() -> Iterator[None]:
+    """Within it (this thread), routed experts that have no grouped GEMM (float32, or before sm90)
+    run at a fixed capacity instead of one GEMM per used expert: what a CUDA graph can capture."""
+    previous, _fixed_capacity.enabled = _fixed_capacity.enabled, True
+    try:
+        yield
+    finally:
+        _fixed_capacity.enabled = previous
 
 
 def expert_counts(expert_ids: torch.Tensor, n_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:

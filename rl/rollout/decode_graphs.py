@@ -19,11 +19,13 @@ against the engine's variable-shape forward on a CPU. On a CPU it can also be co
 decode step there; the experts' per-expert loop stays eager)."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
 import torch
 
+from policy.layers.moe import fixed_capacity_experts
 from policy.slot_cache import SlotCache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -136,7 +138,10 @@ class DecodeGraphs:
         slots = col("slots")[:, 0]
         view = self.cache.view_of(slots, col("past_index"), col("past_valid") != 0, col("write_index"),
                                   col("new_valid") != 0, col("lengths")[:, 0])
-        out = self.model(col("ids"), cache=view, use_cache=True, logits_to_keep=1, return_routing=self.record_routing)
+        # on a GPU, experts without a grouped GEMM (float32) run at a fixed capacity: capturable
+        with fixed_capacity_experts() if self.use_graphs else contextlib.nullcontext():
+            out = self.model(col("ids"), cache=view, use_cache=True, logits_to_keep=1,
+                             return_routing=self.record_routing)
         self.cache.write_states(slots, out.cache)
         logits = out.logits[:, -1]
         if buf.logits is None:

@@ -289,3 +289,53 @@ def test_expert_counts_equal_bincount():
     ids = torch.tensor([3, 0, 3, 5, 3, 0])
     assert torch.equal(expert_counts(ids, 7), torch.bincount(ids, minlength=7))
     assert torch.equal(expert_counts(ids[:0], 4), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_fixed_capacity_experts_equal_the_per_expert_loop(act):
+    """Inside fixed_capacity_experts() (what a CUDA graph captures in float32) the routed experts
+    give the per-expert loop's output: each expert's rows in a padded block of one batched product."""
+    from policy.layers.moe import fixed_capacity_experts
+
+    torch.manual_seed(1)
+    moe = LatentMoE(tiny(hidden_act=act)).eval()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(5, 3, 32)  # 15 tokens; some experts get none
+    with torch.no_grad():
+        y_loop, idx_loop = moe(x)
+        with fixed_capacity_experts():
+            y_fixed, idx_fixed = moe(x)
+    assert torch.equal(idx_loop, idx_fixed)
+    torch.testing.assert_close(y_fixed, y_loop, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the switch is scoped: outside it the loop runs again
+        assert torch.equal(moe(x)[0], y_loop)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fixed_capacity_experts_are_capturable_in_float32():
+    """float32 experts in a CUDA graph: captured inside fixed_capacity_experts(), the replay gives
+    the eager per-expert loop's output for new inputs."""
+    from policy.layers.moe import fixed_capacity_experts
+
+    torch.manual_seed(2)
+    moe = LatentMoE(tiny()).cuda().eval()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(8, 1, 32, device="cuda")
+    with torch.no_grad(), fixed_capacity_experts():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            moe(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_graph, _ = moe(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    with torch.no_grad():
+        y_eager, _ = moe(x)
+    torch.testing.assert_close(y_graph, y_eager, atol=1e-5, rtol=1e-5)
