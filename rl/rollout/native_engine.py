@@ -1,9 +1,10 @@
 """The native rollout engine: our hybrid policy served with continuous batching.
 
 Sequences join and leave the running batch at every step. A step runs at most two forwards: one
-decode forward over every sequence with exactly one token to feed, and one prefill forward over
-sequences with several (a new group's prompt, a tool result), right-padded and bounded by
-`max_batch_tokens` (longer inputs are fed in chunks over several steps). Each sequence lives in a
+decode forward over every sequence with exactly one token to feed (and, with `decode_feed_tokens`,
+every one with a short input: fed a token a step, beside the others' decoding), and one prefill
+forward over sequences with several (a new group's prompt, a tool result), right-padded and bounded
+by `max_batch_tokens` (longer inputs are fed in chunks over several steps). Each sequence lives in a
 cache slot (policy.slot_cache): KDA states per slot, MLA keys in shared blocks, so no step copies
 another sequence's cache. A group's prompt is prefilled once and forked into its members.
 
@@ -61,10 +62,15 @@ class _Seq:
 class NativeEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, max_slots: int = 64, cache_tokens: int = 65536,
                  block_size: int = BLOCK_SIZE, max_batch_tokens: int = 2048, record_routing: bool = True,
-                 name: str = "native", decode_graphs: bool | None = None, compile_decode: bool = False) -> None:
+                 name: str = "native", decode_graphs: bool | None = None, compile_decode: bool = False,
+                 decode_feed_tokens: int = 0) -> None:
         """decode_graphs: decode at fixed shapes replayed as CUDA graphs; None means on a GPU. True on a
         CPU runs the fixed-shape step eagerly (what the graphs replay, for tests). compile_decode (CPU):
-        that fixed-shape step compiled with torch.compile."""
+        that fixed-shape step compiled with torch.compile. decode_feed_tokens: inputs of at most this
+        many tokens (tool results, short prompts) are fed one token a step inside the decode batch
+        instead of by a prefill forward of their own: meant for CUDA graphs, where a replayed step
+        costs less than an eager prefill's launches and the other sequences keep decoding meanwhile
+        (on a CPU it only adds steps); not yet measured on a GPU, so off by default."""
         self.model = model.eval()
         self.name = name
         self.record_routing = record_routing
@@ -75,6 +81,9 @@ class NativeEngine(RolloutEngine):
         fixed_shapes = compile_decode or (on_gpu if decode_graphs is None else decode_graphs)
         self._graphs = (DecodeGraphs(model, self.cache, record_routing, use_graphs=on_gpu, compile=compile_decode)
                         if fixed_shapes else None)
+        if decode_feed_tokens < 0:
+            raise ValueError(f"NativeEngine: decode_feed_tokens must be >= 0, got {decode_feed_tokens}")
+        self.decode_feed_tokens = decode_feed_tokens
         self.seqs: dict[str, _Seq] = {}
         self.version = -1
         self._stats = EngineStats()
@@ -215,12 +224,14 @@ class NativeEngine(RolloutEngine):
         budget = self.max_batch_tokens
         for seq in wanting:
             todo = len(seq.tokens) - seq.fed
-            take = 1 if todo == 1 else min(todo, budget)
+            take = 1 if todo <= max(1, self.decode_feed_tokens) else min(todo, budget)
             if take < 1 or not self._make_room(seq, seq.fed + take, chosen):
                 continue
             chosen.add(id(seq))
             if take == 1:
                 decode.append(seq)
+                if todo > 1:  # a short input fed through the decode batch (its last token counts as decode)
+                    self._stats.prefill_tokens += 1
             else:
                 prefill.append((seq, take))
                 budget -= take

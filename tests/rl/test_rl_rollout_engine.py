@@ -426,3 +426,28 @@ def test_on_a_gpu_the_default_budget_is_a_share_of_the_free_memory():
     with pytest.raises(ValueError, match=r"^rollout.gpu_memory_fraction=0.9 of 0.00 GiB free x GPU share 0.25 "
                                          r"\(230,400 bytes\) cannot hold rollout.max_slots=8 slots[^\n]*$"):
         engine_cache_tokens(cfg.model_copy(update={"max_context": 512}), toy, bf16, gpu=(1_024_000, 0.25))
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_short_inputs_fed_through_the_decode_batch_equal_prefill_forwards(model, greedy):
+    """decode_feed_tokens (for CUDA graphs): tool results and short prompts fed a token
+    a step inside the fixed-shape decode batch give the tokens and logprobs of prefill forwards."""
+    groups = prompts(4)  # prompts of 4-19 tokens, tool results of 3-10
+    prefilled = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=True, decode_feed_tokens=0)
+    fed = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=True, decode_feed_tokens=12)
+    a = asyncio.run(play(prefilled, groups, greedy=greedy))
+    b = asyncio.run(play(fed, groups, greedy=greedy))
+    assert tokens_of(a) == tokens_of(b)
+    for sid in a:
+        for x, y in zip(a[sid][:-1], b[sid][:-1]):
+            torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
+        assert (a[sid][-1].routing == b[sid][-1].routing).all()
+    # the inputs took decode steps: more steps, and their tokens but each one's last counted as prefill
+    inputs = (sum(1 for _, members in groups.values() for m in members for t in range(3) if tool_result(m, t))
+              + sum(1 for prompt, _ in groups.values() if len(prompt) <= 12))  # tool results, the short prompts
+    assert fed.stats().steps > prefilled.stats().steps
+    assert fed.stats().prefill_tokens == prefilled.stats().prefill_tokens - inputs
+    assert engine(model).decode_feed_tokens == 0  # off by default
+    assert build_engine(TOY, RolloutConfig(decode_feed_tokens=12), seed=0).decode_feed_tokens == 12  # the config's
+    with pytest.raises(ValueError, match="decode_feed_tokens"):
+        engine(model, decode_feed_tokens=-1)
