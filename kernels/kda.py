@@ -19,7 +19,7 @@ off-diagonal blocks are factored around a pivot between r and c (both factors <=
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -276,10 +276,10 @@ def _load_fla() -> tuple | None:
     return _FLA or None
 
 
-_FLA_IN_PLACE: object = None
+_FLA_IN_PLACE: Callable | bool | None = None  # None: not looked up yet; False: not importable
 
 
-def _load_fla_in_place():
+def _load_fla_in_place() -> Callable | None:
     """fla's recurrent forward that reads and writes states where they lie (`ssm_state_indices`,
     `inplace_final_state`: its continuous-batching mode, not in the public wrapper), or None."""
     global _FLA_IN_PLACE

@@ -98,7 +98,7 @@ class KDAMixer(nn.Module):
         return tuple(proj.split([sum(sizes[:3])] + sizes[3:], dim=-1))
 
     def forward(self, x: torch.Tensor, cache: KDACache | SlotKDAView | None = None, use_cache: bool = False,
-                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, KDACache | None]:
+                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, KDACache | SlotKDAView | None]:
         """token_mask [B, T] bool (right padding): padded positions neither decay nor write the
         recurrent state (gate 0, beta 0), so the final state is each row's after its last real token."""
         B, T, _ = x.shape
