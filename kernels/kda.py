@@ -324,6 +324,22 @@ def kda_backend(name: str) -> Iterator[None]:
         set_kda_backend(prev)
 
 
+def _is_decode_step(q: Tensor) -> bool:
+    """One token per row and no gradient: what fla's recurrent kernel serves."""
+    return q.shape[1] == 1 and not torch.is_grad_enabled()
+
+
+def _resolve_backend(backend: str | None, q: Tensor) -> str:
+    """The backend a call runs with: the process default for None, checked; "fla_recurrent" becomes
+    "auto" for a decode step and "torch" otherwise."""
+    backend = _default_backend if backend is None else backend
+    if backend not in _BACKENDS:
+        raise ValueError(f"kda: backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "fla_recurrent":
+        return "auto" if _is_decode_step(q) else "torch"
+    return backend
+
+
 def kda(
     q: Tensor,
     k: Tensor,
@@ -340,20 +356,16 @@ def kda(
     step without grad), else torch; "fla": require fla-core; "fla_recurrent": "auto" for 1-token
     steps without grad, torch otherwise; "torch": kda_chunk for T > 1, kda_recurrent for T == 1.
     float64 inputs always take the torch path (fla has no fp64)."""
-    backend = _default_backend if backend is None else backend
-    if backend not in _BACKENDS:
-        raise ValueError(f"kda: backend must be one of {_BACKENDS}, got {backend!r}")
+    backend = _resolve_backend(backend, q)
     _check_inputs(q, k, v, g, beta, initial_state)
     T = q.shape[1]
-    if backend == "fla_recurrent":
-        backend = "auto" if T == 1 and not torch.is_grad_enabled() else "torch"
     fla = _load_fla() if backend != "torch" and q.is_cuda else None
     if backend == "fla" and (fla is None or q.dtype == torch.float64):
         raise RuntimeError("kda: backend='fla' needs fla-core importable, CUDA tensors and no float64")
     if fla is not None and q.dtype != torch.float64:
         chunk_kda, fused_recurrent_kda = fla
         h0 = None if initial_state is None else initial_state.float()
-        if T == 1 and not torch.is_grad_enabled():
+        if _is_decode_step(q):
             return fused_recurrent_kda(
                 q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state
             )
@@ -381,9 +393,9 @@ def kda_in_slots(
     A decode step (T == 1, no grad) on CUDA with fla reads and writes each state once, in place;
     otherwise the rows' states are gathered, run through `kda`, and scattered back. Rows may share
     a slot only when what it holds afterwards does not matter (padding rows on a scratch slot)."""
-    backend = _default_backend if backend is None else backend
-    in_place = _load_fla_in_place() if (backend != "torch" and q.is_cuda and q.shape[1] == 1
-                                        and not torch.is_grad_enabled() and q.dtype != torch.float64) else None
+    backend = _resolve_backend(backend, q)
+    on_fla = backend != "torch" and q.is_cuda and q.dtype != torch.float64 and _is_decode_step(q)
+    in_place = _load_fla_in_place() if on_fla else None
     if in_place is not None and state_pool.dtype == torch.float32 and state_pool.is_contiguous():
         o, _ = in_place(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
                         scale=scale, initial_state=state_pool, inplace_final_state=True,

@@ -120,13 +120,10 @@ class DecodeGraphs:
         host[real, col["write_index"]] = write_index
         host[real, col["past_index"]] = past_index
         host[real, col["past_valid"]] = past_valid
-        host[:, col["new_valid"]] = 1  # a padding row attends to its own key
-        host[pad, col["ids"]] = 0
+        host[pad] = 0
         host[pad, col["slots"]] = self.cache.scratch_slot
-        host[pad, col["lengths"]] = 0
         host[pad, col["write_index"]] = self.cache.num_blocks * self.cache.block_size
-        host[pad, col["past_index"]] = 0
-        host[pad, col["past_valid"]] = 0
+        host[:, col["new_valid"]] = 1  # a padding row attends to its own key
         buf.packed.copy_(buf.staging, non_blocking=True)
         if self.device.type == "cuda":
             buf.sent = torch.cuda.Event()
