@@ -233,9 +233,25 @@ class DockerSandbox(AgentSandbox):
         if self.container_id is not None:
             try:
                 docker_client().api.remove_container(self.container_id, force=True)
-            except docker.errors.APIError:
-                pass  # already gone (auto-removed) or being removed
+            except docker.errors.NotFound:
+                pass  # already auto-removed
+            except docker.errors.APIError:  # auto-remove is removing it: closed means gone, so wait
+                _wait_removed(self.container_id)
         shutil.rmtree(self._state, ignore_errors=True)
+
+
+def _wait_removed(container_id: str, timeout: float = 10.0) -> None:
+    """Until Docker has finished removing the container (a removal already in progress), at most
+    `timeout` seconds: whoever closed the sandbox may remove its image next."""
+    import docker.errors
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            docker_client().api.inspect_container(container_id)
+        except docker.errors.NotFound:
+            return
+        time.sleep(0.05)
 
 
 def sandbox_containers(label: str = f"{LABEL}=1") -> list[dict[str, Any]]:
