@@ -4,8 +4,9 @@
     python3 benchmarks/rollout_gpu.py --preset kimi-linear-4l --seqs 64 --json $OUT/rollout_gpu.json
     python3 benchmarks/rollout_gpu.py --preset small --seqs 64 --long-context 131072
 
-Each size runs twice in one process, eager decode beside the CUDA-graph decode
-(rl/rollout/decode_graphs.py), the same sequences and tokens. `--long-context N` then prefills one
+Each size runs three times in one process, eager decode beside the CUDA-graph decode
+(rl/rollout/decode_graphs.py), and the graphs with overlapped steps (each launched before the last
+one's tokens are read back: the engine's default on a GPU), the same sequences and tokens. `--long-context N` then prefills one
 N-token prompt (in chunks of --chunk tokens) and decodes from it: time, decode rate, peak memory.
 
 `kimi-linear-4l`: Kimi-Linear-48B layer shapes cut to 4 layers (3 KDA + 1 MLA) and 64 experts.
@@ -61,15 +62,16 @@ def bound_tok_s(model, seqs: int, context: int) -> float:
     return seqs * BANDWIDTH / (weights + state)
 
 
-def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, chunk: int = 8192,
-           around_decode=contextlib.nullcontext, host_profile: cProfile.Profile | None = None) -> dict:
+def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, overlap: bool = False,
+           chunk: int = 8192, around_decode=contextlib.nullcontext,
+           host_profile: cProfile.Profile | None = None) -> dict:
     """`around_decode`: a context manager (factory) the decode phase runs in, after the prefills;
     `host_profile`: profiles the engine's steps (its own thread) during the decode phase."""
     from rl.rollout.engine_api import SamplingParams
     from rl.rollout.native_engine import NativeEngine
 
     engine = NativeEngine(model, max_slots=seqs, cache_tokens=seqs * (prompt + new + 64), max_batch_tokens=chunk,
-                          record_routing=False, decode_graphs=graphs)
+                          record_routing=False, decode_graphs=graphs, overlap=overlap)
     engine.version = 0
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, vocab, (prompt,), generator=gen).tolist() for _ in range(seqs)]
@@ -107,7 +109,7 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ch
 
     decode_s = asyncio.run(run())
     replay_ms = replay_alone_ms(engine) if graphs else None
-    return {"sequences": seqs, "graphs": graphs, "decode_s": decode_s, "decode_tok_s": seqs * new / decode_s,
+    return {"sequences": seqs, "graphs": graphs, "overlap": overlap, "decode_s": decode_s, "decode_tok_s": seqs * new / decode_s,
             "step_ms": decode_s / new * 1e3, "replay_ms": replay_ms,
             "graphs_captured": engine.stats().extra.get("graphs_captured", 0.0),
             "capture_error": engine._graphs.capture_error if engine._graphs is not None else None,
@@ -174,10 +176,10 @@ def profile_decode(model, seqs: int, prompt: int, new: int, vocab: int, rows: in
 
 
 def profile_host(model, seqs: int, prompt: int, new: int, vocab: int, rows: int = 25) -> str:
-    """Where the host's time goes in a CUDA-graph decode: the engine's steps under cProfile
-    (functions by their cumulative time; a GPU wait shows as the call that blocks on it)."""
+    """Where the host's time goes in an overlapped CUDA-graph decode: the engine's steps under
+    cProfile (functions by their cumulative time; a GPU wait shows as the call that blocks on it)."""
     prof = cProfile.Profile()
-    decode(model, seqs, prompt, new, vocab, graphs=True, host_profile=prof)
+    decode(model, seqs, prompt, new, vocab, graphs=True, overlap=True, host_profile=prof)
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(rows)
     return out.getvalue()
@@ -233,17 +235,18 @@ def main() -> None:
     model = build(args.preset, args.device, getattr(torch, args.dtype))
     vocab = model.config.vocab_size
     log(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {args.dtype}")
-    for graphs in (False, True):  # warm-up: first launches, allocator
-        decode(model, 4, 16, 8, vocab, graphs)
+    modes = {"eager": (False, False), "CUDA graphs": (True, False), "graphs + overlap": (True, True)}
+    for graphs, overlap in modes.values():  # warm-up: first launches, allocator
+        decode(model, 4, 16, 8, vocab, graphs, overlap)
     results = {"args": vars(args), "rows": []}
     for n in args.seqs:
-        pair = {}
-        for graphs in (False, True):
-            row = decode(model, n, args.prompt, args.new, vocab, graphs)
+        runs = {}
+        for mode, (graphs, overlap) in modes.items():
+            row = decode(model, n, args.prompt, args.new, vocab, graphs, overlap)
             row["bound_tok_s"] = bound_tok_s(model, n, args.prompt + args.new // 2)
             row["fraction_of_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
-            pair[graphs] = row
-            log(f"{n} sequences, {'CUDA graphs' if graphs else 'eager'}: decode {row['decode_tok_s']:.0f} tok/s, "
+            runs[mode] = row
+            log(f"{n} sequences, {mode}: decode {row['decode_tok_s']:.0f} tok/s, "
                 f"bound {row['bound_tok_s']:.0f} tok/s, {row['fraction_of_bound']:.1%} of it; "
                 f"{row['graphs_captured']:.0f} graphs captured; step {row['step_ms']:.2f} ms"
                 + (f" (graph replay alone {row['replay_ms']:.2f} ms)" if row["replay_ms"] else "")
@@ -251,12 +254,19 @@ def main() -> None:
         # bf16 kernels with atomics (the MoE combine's index_add_) are not bitwise repeatable: a second eager
         # run says how often greedy decoding of random weights diverges between two runs of the same path
         again = decode(model, n, args.prompt, args.new, vocab, False)["tokens"] if args.repeat_eager else None
-        eager_tokens = pair[False].pop("tokens")
-        same = sum(a == b for a, b in zip(eager_tokens, pair[True].pop("tokens")))
-        results["rows"] += [pair[False], {**pair[True], "same_tokens_as_eager": same / n}]
-        log(f"{n} sequences: CUDA graphs / eager = {pair[True]['decode_tok_s'] / pair[False]['decode_tok_s']:.2f}x; "
-            f"greedy tokens identical for {same} of {n} sequences"
-            + (f" (eager vs eager again: {sum(a == b for a, b in zip(eager_tokens, again))} of {n})" if again else ""))
+        tokens = {mode: row.pop("tokens") for mode, row in runs.items()}
+        same = {mode: sum(a == b for a, b in zip(tokens["eager"], t)) for mode, t in tokens.items()}
+        same_overlap = sum(a == b for a, b in zip(tokens["CUDA graphs"], tokens["graphs + overlap"]))
+        for mode, row in runs.items():
+            row["same_tokens_as_eager"] = same[mode] / n
+        results["rows"] += list(runs.values())
+        eager_rate = runs["eager"]["decode_tok_s"]
+        log(f"{n} sequences: CUDA graphs / eager = {runs['CUDA graphs']['decode_tok_s'] / eager_rate:.2f}x, "
+            f"with overlap {runs['graphs + overlap']['decode_tok_s'] / eager_rate:.2f}x; greedy tokens as eager's "
+            f"for {same['CUDA graphs']} (graphs) and {same['graphs + overlap']} (overlap) of {n} sequences, "
+            f"overlap as graphs' for {same_overlap}"
+            + (f" (eager vs eager again: {sum(a == b for a, b in zip(tokens['eager'], again))} of {n})"
+               if again else ""))
         write_json(results, args.json)
     if args.profile:
         log(f"profile of an eager decode at {args.seqs[0]} sequences, {args.prompt}-token prompts:\n"

@@ -26,6 +26,7 @@ import torch
 
 from .cache import KDACache, MLACache, ModelCache, SlotKDAView
 from .config import ModelConfig
+from .transfer import to_device
 
 Tensor = torch.Tensor
 BLOCK_SIZE = 16  # tokens per block of latent keys
@@ -263,10 +264,11 @@ class SlotCache:
     def view(self, slots: list[int], n_new: list[int], width: int) -> ModelCache:
         """The cache of `slots` for a forward of `width` new tokens per row, of which row b's first
         n_new[b] are real (the rest padding). Blocks for them must be reserved."""
-        past_index, past_valid, write_index, real = (torch.from_numpy(a).to(self.device)
+        past_index, past_valid, write_index, real = (to_device(torch.from_numpy(a), self.device)
                                                      for a in self.indices(slots, n_new, width))
-        lengths = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=self.device)
-        return self.view_of(torch.tensor(slots, device=self.device), past_index, past_valid, write_index, real, lengths)
+        lengths = to_device(torch.tensor([self.lengths[s] for s in slots], dtype=torch.long), self.device)
+        return self.view_of(to_device(torch.tensor(slots), self.device), past_index, past_valid, write_index, real,
+                            lengths)
 
     def indices(self, slots: list[int], n_new: list[int], width: int, past_width: int | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -305,7 +307,7 @@ class SlotCache:
 
     def commit(self, slots: list[int], out: ModelCache, n_new: list[int]) -> None:
         """After the forward: the slots' new conv windows, and their lengths grown by n_new."""
-        self.write_states(torch.tensor(slots, device=self.device), out)
+        self.write_states(to_device(torch.tensor(slots), self.device), out)
         self.advance(slots, n_new)
 
     def write_states(self, slots: Tensor, out: ModelCache) -> None:

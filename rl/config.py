@@ -165,6 +165,9 @@ class RolloutConfig(Section):
     max_batch_tokens: int = Field(default=2048, ge=16)  # prefill tokens per forward (longer inputs in chunks)
     # native engine on a GPU: decode steps at fixed shapes, each captured once as a CUDA graph and replayed
     cuda_graphs: bool = True
+    # native engine on a GPU: each step launched before the last one's tokens are read back (the host's
+    # scheduling overlaps the GPU's step; turns end one step later); steps on a CPU run in order anyway
+    overlap_decode: bool = True
     # native engine: inputs of at most this many tokens (tool results) join the decode batch a token a
     # step instead of a prefill forward of their own (eager on a GPU: ~0.1 s of launches for `small`);
     # for CUDA graphs, e.g. 32; not yet measured on a GPU, so 0 (off)

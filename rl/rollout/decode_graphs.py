@@ -9,6 +9,10 @@ reads, its outputs read from buffers it writes. Inside the graph the forward upd
 states in their slots and writes the new keys into their blocks; the step then writes the new conv
 windows into the slots.
 
+A row's input token can come from the device instead of the host (`sources`): the tokens the
+engine sampled at the last step, which it has not yet read back (the engine overlaps a step's
+launch with reading the last one's tokens).
+
 The graphs hold the addresses of the model's weights and of the cache's tensors: weight updates
 copy into the weights in place, so the graphs follow them; a cache released and allocated again
 (colocated runs) has new tensors, so its graphs are dropped and captured again.
@@ -47,9 +51,10 @@ class _Buffers:
     tensor, filled on the host in a (pinned) staging copy and sent in one transfer a step."""
 
     def __init__(self, batch: int, keys: int, device: torch.device) -> None:
-        # ids, slots, lengths, write_index, new_valid: [B, 1]; past_index, past_valid: [B, keys]
-        # (the valid flags as 0/1: the step turns them into masks)
-        widths = {"ids": 1, "slots": 1, "lengths": 1, "write_index": 1, "new_valid": 1,
+        # ids, source, slots, lengths, write_index, new_valid: [B, 1]; past_index, past_valid: [B, keys]
+        # (the valid flags as 0/1: the step turns them into masks; source: -1, or the row of the
+        # fed-back tokens that is this row's input instead of ids)
+        widths = {"ids": 1, "source": 1, "slots": 1, "lengths": 1, "write_index": 1, "new_valid": 1,
                   "past_index": keys, "past_valid": keys}
         self.columns: dict[str, slice] = {}
         start = 0
@@ -69,8 +74,11 @@ class _Buffers:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, cache: SlotCache, record_routing: bool, use_graphs: bool,
-                 compile: bool = False) -> None:
+                 fed_back: torch.Tensor, compile: bool = False) -> None:
+        """fed_back: [N] int64 on the cache's device, at a fixed address: tokens a row can take as its
+        input (`step`'s sources), written by the engine's sampler."""
         self.model, self.cache, self.record_routing = model, cache, record_routing
+        self.fed_back = fed_back
         self.device = cache.device
         self.use_graphs = use_graphs and self.device.type == "cuda"
         if compile and self.device.type != "cpu":
@@ -85,28 +93,29 @@ class DecodeGraphs:
         self.capture_error: str | None = None  # why capturing failed (decoding then stays eager)
 
     @torch.no_grad()
-    def step(self, slots: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed tokens[b] to slots[b] (every slot's blocks reserved). Returns the next-token logits
-        [B, vocab] float32 and, when recorded, the routing [B, n_moe, k]; the KDA states and keys
-        are written and the slots' lengths advanced."""
+    def step(self, slots: list[int], tokens: list[int], sources: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed each slot[b] one token (every slot's blocks reserved): tokens[b], or where
+        sources[b] >= 0, fed_back[sources[b]]. Returns the next-token logits [B, vocab] float32 and,
+        when recorded, the routing [B, n_moe, k]: views of the graph's output buffers, which the
+        next step overwrites (whatever reads them must be queued before it). The KDA states and
+        keys are written and the slots' lengths advanced."""
         n = len(slots)
         shape = (batch_bucket(n), key_bucket(max(self.cache.lengths[s] for s in slots)))
         buf = self._buffers.get(shape) or self._allocate(*shape)
-        self._fill(buf, slots, tokens)
+        self._fill(buf, slots, tokens, sources)
         if self.use_graphs:
             self._replay(shape, buf)
         else:
             self._step_fn(buf)
         self.cache.advance(slots, [1] * n)
-        # copies: the next replay writes the same buffers
-        return buf.logits[:n].clone(), None if buf.routing is None else buf.routing[:n].clone()
+        return buf.logits[:n], None if buf.routing is None else buf.routing[:n]
 
     # ---- inputs ------------------------------------------------------------------------------
     def _allocate(self, batch: int, keys: int) -> _Buffers:
         buf = self._buffers[(batch, keys)] = _Buffers(batch, keys, self.device)
         return buf
 
-    def _fill(self, buf: _Buffers, slots: list[int], tokens: list[int]) -> None:
+    def _fill(self, buf: _Buffers, slots: list[int], tokens: list[int], sources: list[int]) -> None:
         """The batch into the buffers; rows past it read and write the scratch slot and block."""
         n = len(slots)
         past_index, past_valid, write_index, _ = self.cache.indices(slots, [1] * n, 1, buf.keys)
@@ -115,12 +124,14 @@ class DecodeGraphs:
         host, col = buf.staging.numpy(), buf.columns
         real, pad = slice(0, n), slice(n, None)
         host[real, col["ids"]] = np.asarray(tokens)[:, None]
+        host[real, col["source"]] = np.asarray(sources)[:, None]
         host[real, col["slots"]] = np.asarray(slots)[:, None]
         host[real, col["lengths"]] = np.asarray([self.cache.lengths[s] for s in slots])[:, None]
         host[real, col["write_index"]] = write_index
         host[real, col["past_index"]] = past_index
         host[real, col["past_valid"]] = past_valid
         host[pad] = 0
+        host[pad, col["source"]] = -1
         host[pad, col["slots"]] = self.cache.scratch_slot
         host[pad, col["write_index"]] = self.cache.num_blocks * self.cache.block_size
         host[:, col["new_valid"]] = 1  # a padding row attends to its own key
@@ -135,9 +146,11 @@ class DecodeGraphs:
         slots = col("slots")[:, 0]
         view = self.cache.view_of(slots, col("past_index"), col("past_valid") != 0, col("write_index"),
                                   col("new_valid") != 0, col("lengths")[:, 0])
+        source = col("source")
+        ids = torch.where(source >= 0, self.fed_back[source.clamp(min=0)], col("ids"))
         # on a GPU, experts without a grouped GEMM (float32) run at a fixed capacity: capturable
         with fixed_capacity_experts() if self.use_graphs else contextlib.nullcontext():
-            out = self.model(col("ids"), cache=view, use_cache=True, logits_to_keep=1,
+            out = self.model(ids, cache=view, use_cache=True, logits_to_keep=1,
                              return_routing=self.record_routing)
         self.cache.write_states(slots, out.cache)
         logits = out.logits[:, -1]
@@ -174,6 +187,7 @@ class DecodeGraphs:
         sequence's state. The caller fills the buffers again before replaying."""
         real = buf.packed.clone()
         buf.column("slots").fill_(self.cache.scratch_slot)
+        buf.column("source").fill_(-1)
         buf.column("past_valid").fill_(0)
         buf.column("write_index").fill_(self.cache.num_blocks * self.cache.block_size)
         try:

@@ -14,6 +14,14 @@ is prefilled again from its tokens when room returns (recomputation, as vLLM doe
 On a GPU the decode forward runs at fixed shapes, captured once per shape as a CUDA graph
 (rl/rollout/decode_graphs.py): one launch per step instead of thousands.
 
+Tokens are sampled on the model's device. With `overlap` (on a GPU by default) a step is launched
+before the last one's tokens are read back: the host's scheduling and bookkeeping run while the GPU
+computes, instead of between two of its steps. A sequence whose last token is still on the device
+then decodes it straight from there, on the guess that its turn goes on (the turn's token budget
+is known; a stop token is not): when the token was a stop, the step fed it into the cache, as the
+next turn would have, and the token it sampled is dropped. Turns end, and requests see it, a step
+later than without overlap.
+
 The model runs in a worker thread, so the event loop keeps accepting requests (and environment
 replies keep arriving) while a forward is in flight: always the same thread, since each new thread
 that runs torch on a CPU brings its own OpenMP team, and teams left spinning beside it slowed every
@@ -32,6 +40,7 @@ import numpy as np
 import torch
 
 from policy.slot_cache import BLOCK_SIZE, CacheFull, SlotCache
+from policy.transfer import to_device, to_host
 from rl.rollout.decode_graphs import DecodeGraphs
 from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams, SequenceRecord, TurnOutput, WeightUpdate
 from rl.rollout.sampling import sample_tokens
@@ -48,29 +57,54 @@ class _Turn:
 class _Seq:
     seq_id: str
     tokens: list[int]
-    fed: int = 0  # tokens[:fed] are in the cache
+    fed: int = 0  # tokens the cache holds: tokens[:fed], and (overlap) a sampled token not yet read back
     slot: int | None = None
-    logits: torch.Tensor | None = None  # next-token logits once everything is fed
+    logits: torch.Tensor | None = None  # next-token logits (on the device) held for a turn to come
     turn: _Turn | None = None
-    sampled: int = 0  # tokens sampled so far: the position in the sequence's random stream
+    sampled: int = 0  # tokens accepted so far: the position in the sequence's random stream
+    inflight: int = 0  # tokens sampled on the device, not yet read back
     routing: list[np.ndarray] = field(default_factory=list)  # per fed token [n_moe, k]
     fork_of: "_Seq | None" = None  # waiting to copy this sequence's cache once it is prefilled
     admitted: float = 0.0  # for preemption order (newest first)
+    epoch: int = 0  # preemptions so far: what a step launched before one fed no longer counts
     error: Exception | None = None  # a failed step left its cache undefined: every later turn fails
+
+
+@dataclass
+class _Row:
+    """One sequence's part of a launched step."""
+    seq: _Seq
+    epoch: int  # seq.epoch at launch
+    routing: tuple[torch.Tensor, int, int] | None = None  # (host [B, T, n_moe, k], row, tokens fed)
+    shares: list[tuple[_Seq, int]] = field(default_factory=list)  # forks since (and their epochs): same routing
+    sample: int = -1  # the row of the step's sampled tokens drawn for `turn`, if any
+    turn: _Turn | None = None
+
+
+@dataclass
+class _Launch:
+    """A step queued on the device, read back by `_resolve`."""
+    rows: list[_Row]
+    version: int  # the weights that sampled its tokens
+    tokens: torch.Tensor | None = None  # [m] host, valid once `done`
+    logprobs: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
 
 
 class NativeEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, max_slots: int = 64, cache_tokens: int = 65536,
                  block_size: int = BLOCK_SIZE, max_batch_tokens: int = 2048, record_routing: bool = True,
                  name: str = "native", decode_graphs: bool | None = None, compile_decode: bool = False,
-                 decode_feed_tokens: int = 0) -> None:
+                 decode_feed_tokens: int = 0, overlap: bool | None = None) -> None:
         """decode_graphs: decode at fixed shapes replayed as CUDA graphs; None means on a GPU. True on a
         CPU runs the fixed-shape step eagerly (what the graphs replay, for tests). compile_decode (CPU):
         that fixed-shape step compiled with torch.compile. decode_feed_tokens: inputs of at most this
         many tokens (tool results, short prompts) are fed one token a step inside the decode batch
         instead of by a prefill forward of their own: meant for CUDA graphs, where a replayed step
         costs less than an eager prefill's launches and the other sequences keep decoding meanwhile
-        (on a CPU it only adds steps); not yet measured on a GPU, so off by default."""
+        (on a CPU it only adds steps); not yet measured on a GPU, so off by default. overlap: launch
+        each step before reading the last one's tokens back; None means on a GPU (on a CPU the
+        steps run in order anyway: True there runs the same bookkeeping, for tests)."""
         self.model = model.eval()
         self.name = name
         self.record_routing = record_routing
@@ -78,9 +112,13 @@ class NativeEngine(RolloutEngine):
         num_blocks = max(1, -(-cache_tokens // block_size))
         self.cache = SlotCache(model, max_slots=max_slots, num_blocks=num_blocks, block_size=block_size)
         on_gpu = self.cache.device.type == "cuda"
+        # the last step's sampled tokens, where the next step's rows can read their input
+        self._sampled = torch.zeros(max_slots + 1, dtype=torch.long, device=self.cache.device)
         fixed_shapes = compile_decode or (on_gpu if decode_graphs is None else decode_graphs)
-        self._graphs = (DecodeGraphs(model, self.cache, record_routing, use_graphs=on_gpu, compile=compile_decode)
-                        if fixed_shapes else None)
+        self._graphs = (DecodeGraphs(model, self.cache, record_routing, use_graphs=on_gpu, fed_back=self._sampled,
+                                     compile=compile_decode) if fixed_shapes else None)
+        self.overlap = on_gpu if overlap is None else overlap
+        self._pending: _Launch | None = None  # the step launched last, not yet read back
         if decode_feed_tokens < 0:
             raise ValueError(f"NativeEngine: decode_feed_tokens must be >= 0, got {decode_feed_tokens}")
         self.decode_feed_tokens = decode_feed_tokens
@@ -119,6 +157,11 @@ class NativeEngine(RolloutEngine):
             if append:
                 seq.tokens.extend(append)
                 seq.logits = None
+            elif seq.fed == len(seq.tokens) and seq.logits is None and seq.slot is not None:
+                # overlap fed the last turn's stop token and dropped what came after it: the cache
+                # has no logits to continue from, so it is built again from the tokens
+                self._preempt(seq)
+                self._stats.extra["recomputed"] = self._stats.extra.get("recomputed", 0.0) + 1
             seq.turn = _Turn(params, asyncio.get_running_loop().create_future())
         self._wake.set()
         return await seq.turn.future
@@ -126,11 +169,15 @@ class NativeEngine(RolloutEngine):
     async def finish(self, seq_id: str) -> SequenceRecord:
         self._ensure_loop()
         async with self._lock:
+            seq = self.seqs.get(seq_id)
+            if seq is not None and self._pending is not None and any(r.seq is seq for r in self._pending.rows):
+                await self._settle()  # its record takes the routing of the step in flight
             seq = self.seqs.pop(seq_id, None)
             if seq is None:
                 return SequenceRecord(fed_tokens=0)
             if seq.turn is not None and not seq.turn.future.done():
                 seq.turn.future.cancel()
+            seq.turn = None
             for other in self.seqs.values():  # a member still waiting to fork from it is prefilled alone
                 if other.fork_of is seq:
                     other.fork_of = None
@@ -160,6 +207,7 @@ class NativeEngine(RolloutEngine):
         async with self._lock:
             if self.seqs or self.cache.released:
                 return 0
+            await self._settle()
             freed = self.cache.release()
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -171,6 +219,12 @@ class NativeEngine(RolloutEngine):
         s.waiting = sum(q.slot is None for q in self.seqs.values())
         s.extra["free_blocks"] = float(self.cache.free_blocks)
         return s
+
+    async def _settle(self) -> None:
+        """Read back the step in flight (the lock held)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await asyncio.get_running_loop().run_in_executor(self._worker, self._resolve, pending)
 
     def shutdown(self) -> None:
         if self._loop_task is not None:
@@ -200,6 +254,7 @@ class NativeEngine(RolloutEngine):
                         progressed = await asyncio.get_running_loop().run_in_executor(self._worker, self._step)
                     except Exception as exc:  # noqa: BLE001 - a failed step fails its sequences, not the engine
                         progressed = False
+                        self._pending = None
                         self._stats.extra["step_errors"] = self._stats.extra.get("step_errors", 0.0) + 1
                         error = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
                         # a forward may have written part of any fed sequence's cache: none of them
@@ -212,15 +267,39 @@ class NativeEngine(RolloutEngine):
 
     @torch.no_grad()
     def _step(self) -> bool:
-        """One scheduling round: feed what is waiting (one decode forward, one prefill forward),
-        fork prefilled group prompts, sample. Returns whether anything happened."""
-        parents = {id(s.fork_of) for s in self.seqs.values() if s.fork_of is not None}
-        wanting = sorted((s for s in self.seqs.values() if s.fork_of is None and s.fed < len(s.tokens)
-                          and s.error is None and (s.turn is not None or id(s) in parents)),
-                         key=lambda s: s.admitted)
-        decode: list[_Seq] = []
-        prefill: list[tuple[_Seq, int]] = []
+        """Launch what is waiting, then read back the step launched before (with overlap; else this
+        one). Returns whether anything happened."""
+        pending, self._pending = self._pending, None
+        launch = self._launch(pending)
+        if pending is not None:
+            self._resolve(pending)
+        if launch is not None:
+            if self.overlap:
+                self._pending = launch
+            else:
+                self._resolve(launch)
+        self._stats.steps += 1
+        return launch is not None or pending is not None
+
+    def _launch(self, pending: _Launch | None) -> _Launch | None:
+        """One scheduling round on the device: feed what is waiting (one decode forward, one prefill
+        forward), fork prefilled group prompts, sample every turn whose logits are ready. Nothing is
+        read back; `pending`'s rows whose turns go on decode their sampled tokens from the device."""
         chosen: set[int] = set()  # fed this step: never preempted by a later one
+        decode: list[_Seq] = []
+        sources: list[int] = []  # per decode row: the row of `pending`'s samples it feeds, or -1
+        for row in pending.rows if pending is not None else ():
+            if self._goes_on(row) and self._make_room(row.seq, row.seq.fed + 1, chosen):
+                chosen.add(id(row.seq))
+                decode.append(row.seq)
+                sources.append(row.sample)
+        parents = {id(s.fork_of) for s in self.seqs.values() if s.fork_of is not None}
+        # a sequence with a token still in flight waits for it (unless it decodes it, above)
+        wanting = sorted((s for s in self.seqs.values() if s.fork_of is None and s.fed < len(s.tokens)
+                          and s.error is None and s.inflight == 0 and id(s) not in chosen
+                          and (s.turn is not None or id(s) in parents)),
+                         key=lambda s: s.admitted)
+        prefill: list[tuple[_Seq, int]] = []
         budget = self.max_batch_tokens
         for seq in wanting:
             todo = len(seq.tokens) - seq.fed
@@ -230,25 +309,62 @@ class NativeEngine(RolloutEngine):
             chosen.add(id(seq))
             if take == 1:
                 decode.append(seq)
+                sources.append(-1)
                 if todo > 1:  # a short input fed through the decode batch (its last token counts as decode)
                     self._stats.prefill_tokens += 1
             else:
                 prefill.append((seq, take))
                 budget -= take
+
+        launch = _Launch([], self.version)
+        parts: list[torch.Tensor] = []  # logits [rows, vocab] of this step's forwards, in row order
+        ready: dict[int, tuple[_Seq, int]] = {}  # fed to the end this step: id -> (seq, its logits' row in `parts`)
         if decode:
-            self._decode(decode)
+            spec = [src >= 0 for src in sources]
+            if any(spec):  # tokens decoded before the host read them
+                self._stats.extra["fed_unread"] = self._stats.extra.get("fed_unread", 0.0) + sum(spec)
+            logits, routing = self._feed(decode, [1] * len(decode), sources)
+            for b, s in enumerate(decode):
+                launch.rows.append(_Row(s, s.epoch, routing=None if routing is None else (routing, b, 1)))
+                if s.fed == len(s.tokens) + spec[b]:
+                    ready[id(s)] = (s, b)
+            parts.append(logits)
         if prefill:
-            self._forward([s for s, _ in prefill], [n for _, n in prefill])
-        forked = [s for s in list(self.seqs.values()) if s.fork_of is not None
-                  and s.fork_of.slot is not None and s.fork_of.fed == len(s.fork_of.tokens)
-                  and s.fork_of.logits is not None]
-        for child in forked:
-            self._fork(child)
-        ready = [s for s in self.seqs.values() if s.turn is not None and s.logits is not None and s.fork_of is None]
-        if ready:
-            self._sample(ready)
-        self._stats.steps += 1
-        return bool(decode or prefill or forked or ready)
+            offset = len(decode)
+            seqs = [s for s, _ in prefill]
+            logits, routing = self._feed(seqs, [n for _, n in prefill], [-1] * len(seqs))
+            for b, (s, n) in enumerate(prefill):
+                launch.rows.append(_Row(s, s.epoch, routing=None if routing is None else (routing, b, n)))
+                if s.fed == len(s.tokens):
+                    ready[id(s)] = (s, offset + b)
+            parts.append(logits)
+        forked = self._fork_ready(ready, pending, launch)
+        # turns to sample: those fed to the end now, and those whose logits were held from before
+        held = [s for s in self.seqs.values() if s.logits is not None and s.turn is not None and s.fork_of is None]
+        picks = sorted(((s, r) for s, r in ready.values() if s.turn is not None), key=lambda pick: pick[1])
+        rows_so_far = sum(p.shape[0] for p in parts)
+        picks += [(s, rows_so_far + i) for i, s in enumerate(held)]
+        if held:
+            parts.append(torch.stack([s.logits for s in held]))
+            for s in held:
+                s.logits = None
+        # fed to the end with no turn to sample yet (a group's parent waiting for its turn): held
+        for s, r in ready.values():
+            if s.turn is None:
+                s.logits = _row_of(parts, r).clone()
+        if picks:
+            self._sample(launch, picks, parts)
+        if not (decode or prefill or forked or picks):
+            return None
+        return launch
+
+    def _goes_on(self, row: _Row) -> bool:
+        """Whether `row` sampled for a turn that is still on and has room for a token after it:
+        the next step can then decode the sampled token from the device, unread."""
+        seq, turn = row.seq, row.turn
+        return (turn is not None and seq.turn is turn and self.seqs.get(seq.seq_id) is seq
+                and seq.epoch == row.epoch and seq.slot is not None and seq.error is None
+                and len(turn.out.tokens) + seq.inflight < turn.params.max_new_tokens)
 
     def _make_room(self, seq: _Seq, length: int, chosen: set[int]) -> bool:
         """A slot and blocks for `seq` up to `length` tokens, preempting newer sequences if needed;
@@ -283,94 +399,169 @@ class NativeEngine(RolloutEngine):
             turn.future.get_loop().call_soon_threadsafe(_reject, turn.future, error)
 
     def _preempt(self, seq: _Seq) -> None:
+        """Free `seq`'s memory; it is prefilled again from its tokens (a token in flight is still
+        accepted, and joins them)."""
         self.cache.free(seq.slot)
         seq.slot, seq.fed, seq.logits = None, 0, None
         seq.routing = []
+        seq.epoch += 1
         self._stats.extra["preempted"] = self._stats.extra.get("preempted", 0.0) + 1
 
-    def _fork(self, child: _Seq) -> None:
-        parent = child.fork_of
-        child.fork_of = None
-        try:
-            child.slot = self.cache.alloc()
-            self.cache.fork(parent.slot, child.slot)
-        except CacheFull:  # no room now: it is prefilled on its own later
-            if child.slot is not None:
-                self.cache.free(child.slot)
-                child.slot = None
-            return
-        child.fed = parent.fed
-        child.logits = parent.logits
-        child.routing = list(parent.routing)
+    def _fork_ready(self, ready: dict[int, tuple[_Seq, int]], pending: _Launch | None,
+                    launch: _Launch) -> bool:
+        """Fork every member whose group prompt is fed to the end (now, or held from before): it
+        shares the parent's logits (its `ready` row, or held logits) and the routing of the parent's
+        steps not yet read back. Returns whether any forked."""
+        forked = False
+        for child in [s for s in self.seqs.values() if s.fork_of is not None]:
+            parent = child.fork_of
+            if parent.slot is None or parent.fed != len(parent.tokens) or parent.inflight:
+                continue
+            if id(parent) not in ready and parent.logits is None:  # (not yet fed to the end)
+                continue
+            child.fork_of = None
+            try:
+                child.slot = self.cache.alloc()
+                self.cache.fork(parent.slot, child.slot)
+            except CacheFull:  # no room now: it is prefilled on its own later
+                if child.slot is not None:
+                    self.cache.free(child.slot)
+                    child.slot = None
+                continue
+            forked = True
+            child.fed = parent.fed
+            child.routing = list(parent.routing)
+            for row in [*(pending.rows if pending is not None else ()), *launch.rows]:
+                if row.seq is parent and row.epoch == parent.epoch:
+                    row.shares.append((child, child.epoch))
+            if id(parent) in ready:
+                ready[id(child)] = (child, ready[id(parent)][1])
+            else:
+                child.logits = parent.logits
+        return forked
 
-    def _forward(self, seqs: list[_Seq], take: list[int]) -> None:
+    def _feed(self, seqs: list[_Seq], take: list[int], sources: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed seqs[b] its next take[b] tokens (one token from the device where sources[b] >= 0):
+        the fixed-shape step for one token each, else the general forward. Returns the last fed
+        token's logits [B, vocab] float32 (on the device; a decode step's are overwritten by the
+        next one) and, when recorded, the routing on the host [B, T, n_moe, k] int16, valid once the
+        step's event has passed."""
+        if self._graphs is not None and max(take) == 1:
+            logits, routing = self._graphs.step([s.slot for s in seqs],
+                                                [0 if src >= 0 else s.tokens[s.fed] for s, src in zip(seqs, sources)],
+                                                sources)
+            routing = None if routing is None else routing[:, None]
+            self._stats.extra["graphs_captured"] = float(self._graphs.captured)
+            if self._graphs.capture_error is not None:
+                self._stats.extra["graph_capture_failed"] = 1.0
+        else:
+            logits, routing = self._forward(seqs, take, sources)
+        for s, n in zip(seqs, take):
+            s.fed += n
+            s.logits = None
+        if max(take) > 1:
+            self._stats.prefill_tokens += sum(take)
+        if routing is not None:  # a copy: a decode step's routing buffer is written again by the next one
+            routing = to_host(routing.to(torch.int16, copy=True))
+        return logits.float(), routing
+
+    def _forward(self, seqs: list[_Seq], take: list[int], sources: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         width = max(take)
         slots = [s.slot for s in seqs]
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-        for b, (s, n) in enumerate(zip(seqs, take)):
-            ids[b, :n] = torch.tensor(s.tokens[s.fed:s.fed + n])
+        for b, (s, n, src) in enumerate(zip(seqs, take, sources)):
+            if src < 0:
+                ids[b, :n] = torch.tensor(s.tokens[s.fed:s.fed + n])
             mask[b, :n] = True
+        ids = to_device(ids, self._device)
+        if any(src >= 0 for src in sources):  # rows whose token is the last step's sample, on the device
+            src = to_device(torch.tensor(sources), self._device)
+            ids[:, 0] = torch.where(src >= 0, self._sampled[src.clamp(min=0)], ids[:, 0])
         view = self.cache.view(slots, take, width)
         padded = min(take) < width
-        out = self.model(ids.to(self._device), cache=view, use_cache=True, logits_to_keep=1,
-                         return_routing=self.record_routing, token_mask=mask.to(self._device) if padded else None)
+        out = self.model(ids, cache=view, use_cache=True, logits_to_keep=1, return_routing=self.record_routing,
+                         token_mask=to_device(mask, self._device) if padded else None)
         self.cache.commit(slots, out.cache, take)
-        logits = out.logits[:, -1]
-        routing = None
-        if self.record_routing and out.routing is not None:
-            routing = out.routing.to(torch.int16).cpu().numpy()
-        for b, (s, n) in enumerate(zip(seqs, take)):
-            s.fed += n
-            s.logits = logits[b] if s.fed == len(s.tokens) else None
-            if routing is not None:
-                s.routing.extend(routing[b, :n])
-        if width > 1:
-            self._stats.prefill_tokens += sum(take)
+        routing = out.routing if self.record_routing and out.routing is not None else None
+        return out.logits[:, -1], routing
 
-    def _decode(self, seqs: list[_Seq]) -> None:
-        """One token for each of `seqs`: the fixed-shape (graph) step, or the general forward."""
-        if self._graphs is None:
-            self._forward(seqs, [1] * len(seqs))
-            return
-        logits, routing = self._graphs.step([s.slot for s in seqs], [s.tokens[s.fed] for s in seqs])
-        routing = None if routing is None else routing.to(torch.int16).cpu().numpy()
-        for b, s in enumerate(seqs):
-            s.fed += 1
-            s.logits = logits[b] if s.fed == len(s.tokens) else None
-            if routing is not None:
-                s.routing.append(routing[b])
-        self._stats.extra["graphs_captured"] = float(self._graphs.captured)
-        if self._graphs.capture_error is not None:
-            self._stats.extra["graph_capture_failed"] = 1.0
-
-    def _sample(self, seqs: list[_Seq]) -> None:
-        params = [s.turn.params for s in seqs]
+    def _sample(self, launch: _Launch, picks: list[tuple[_Seq, int]], parts: list[torch.Tensor]) -> None:
+        """One token for each picked turn, from its row of `parts`' logits, on the device: into the
+        fed-back buffer (the next step's rows may read them there) and queued to the host."""
         dev = self._device
-        logits = torch.stack([s.logits for s in seqs])
+        rows = [r for _, r in picks]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, to_device(torch.tensor(rows), dev))
+        params = [s.turn.params for s, _ in picks]
         if all(p.temperature <= 0 for p in params):  # what sample_tokens gives greedy rows, without the noise
-            tokens, logprobs = logits.argmax(-1), torch.zeros(len(seqs))
+            tokens = logits.argmax(-1)
+            logprobs = torch.zeros(len(picks), device=dev)
         else:
-            tokens, logprobs = sample_tokens(
-                logits,
-                torch.tensor([p.temperature for p in params], device=dev),
-                torch.tensor([p.top_p for p in params], device=dev),
-                torch.tensor([p.seed for p in params], device=dev),
-                torch.tensor([s.sampled for s in seqs], device=dev))
-        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            turn = s.turn
-            s.tokens.append(tok)
-            s.sampled += 1
-            s.logits = None
-            turn.out.tokens.append(tok)
-            turn.out.logprobs.append(lp)
-            turn.out.versions.append(self.version)
-            stopped = tok in turn.params.stop_ids
-            if stopped or len(turn.out.tokens) >= turn.params.max_new_tokens:
-                turn.out.stopped = stopped
-                s.turn = None
-                turn.future.get_loop().call_soon_threadsafe(_resolve, turn.future, turn.out)
-        self._stats.generated_tokens += len(seqs)
+            floats = to_device(torch.tensor([[p.temperature, p.top_p] for p in params], dtype=torch.float32), dev)
+            ints = to_device(torch.tensor([[p.seed, s.sampled + s.inflight] for (s, _), p in zip(picks, params)],
+                                          dtype=torch.long), dev)
+            tokens, logprobs = sample_tokens(logits, floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1],
+                                             nucleus=any(p.top_p < 1 for p in params))
+        self._sampled[:len(picks)].copy_(tokens)
+        launch.tokens, launch.logprobs = to_host(tokens), to_host(logprobs)
+        if dev.type == "cuda":
+            launch.done = torch.cuda.Event()
+            launch.done.record()
+        by_seq = {id(r.seq): r for r in launch.rows}
+        for i, (s, _) in enumerate(picks):
+            row = by_seq.get(id(s))
+            if row is None:  # sampled from held or a parent's logits: a row of its own
+                row = _Row(s, s.epoch)
+                launch.rows.append(row)
+            row.sample, row.turn = i, s.turn
+            s.inflight += 1
+
+    def _resolve(self, launch: _Launch) -> None:
+        """Read a launched step back: the fed tokens' routing, and each sampled token into its turn
+        (unless that turn has ended since: a stop sampled the step before)."""
+        if launch.done is not None:
+            launch.done.synchronize()
+        tokens = launch.tokens.tolist() if launch.tokens is not None else []
+        logprobs = launch.logprobs.tolist() if launch.logprobs is not None else []
+        for row in launch.rows:
+            if row.routing is not None:
+                host, b, n = row.routing
+                part = host[b, :n].numpy()
+                for seq, epoch in [(row.seq, row.epoch), *row.shares]:
+                    if seq.epoch == epoch:
+                        seq.routing.extend(part)
+            if row.sample >= 0:
+                self._accept(row, tokens[row.sample], logprobs[row.sample], launch.version)
+
+    def _accept(self, row: _Row, tok: int, logprob: float, version: int) -> None:
+        seq, turn = row.seq, row.turn
+        seq.inflight -= 1
+        if seq.turn is not turn:  # the turn ended before this token (or the sequence was finished)
+            return
+        seq.tokens.append(tok)
+        seq.sampled += 1
+        turn.out.tokens.append(tok)
+        turn.out.logprobs.append(logprob)
+        turn.out.versions.append(version)
+        self._stats.generated_tokens += 1
+        stopped = tok in turn.params.stop_ids
+        if stopped or len(turn.out.tokens) >= turn.params.max_new_tokens:
+            turn.out.stopped = stopped
+            seq.turn = None
+            turn.future.get_loop().call_soon_threadsafe(_resolve, turn.future, turn.out)
+
+
+def _row_of(parts: list[torch.Tensor], row: int) -> torch.Tensor:
+    """Row `row` of the logits parts taken as one matrix."""
+    for part in parts:
+        if row < part.shape[0]:
+            return part[row]
+        row -= part.shape[0]
+    raise IndexError(row)
 
 
 def _resolve(future: asyncio.Future, value: TurnOutput) -> None:

@@ -41,13 +41,15 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> to
     return (bits.double() + 0.5) / float(1 << 53)
 
 
-def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                       nucleus: bool | None = None) -> torch.Tensor:
     """log-probabilities after temperature and top-p, fp32 [B, V] (rows with temperature 0 keep
     temperature 1: they are decoded greedily). Top-p keeps the smallest prefix of the sorted
-    distribution whose mass reaches top_p; the rest get -inf."""
+    distribution whose mass reaches top_p; the rest get -inf. `nucleus`: whether any row has
+    top_p < 1, when the caller knows (else it is read from the device: a wait for its queue)."""
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
     logp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
-    if bool((top_p < 1).any()):
+    if bool((top_p < 1).any()) if nucleus is None else nucleus:
         sorted_logp, order = logp.sort(dim=-1, descending=True)
         p = sorted_logp.exp()
         drop = (p.cumsum(-1) - p) >= top_p.float()[:, None]
@@ -58,9 +60,10 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: t
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor,
-                  counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row: (tokens [B], logprobs [B] of the processed distribution; 0 for greedy rows)."""
-    logp = processed_logprobs(logits, temperature, top_p)
+                  counters: torch.Tensor, nucleus: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: (tokens [B], logprobs [B] of the processed distribution; 0 for greedy rows).
+    `nucleus` as in processed_logprobs."""
+    logp = processed_logprobs(logits, temperature, top_p, nucleus)
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[-1])))
     drawn = (logp.double() + gumbel).argmax(-1)
     greedy = temperature <= 0

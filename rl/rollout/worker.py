@@ -57,7 +57,8 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
         engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cache_tokens,
                               max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing,
                               decode_graphs=cfg.cuda_graphs and device.type == "cuda",
-                              compile_decode=cfg.compile_decode, decode_feed_tokens=cfg.decode_feed_tokens)
+                              compile_decode=cfg.compile_decode, decode_feed_tokens=cfg.decode_feed_tokens,
+                              overlap=cfg.overlap_decode and device.type == "cuda")
         engine.version = version
         return engine
     model_dir = saved or model_spec["hf_path"]
