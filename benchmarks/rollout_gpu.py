@@ -64,9 +64,10 @@ def bound_tok_s(model, seqs: int, context: int) -> float:
 
 def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, overlap: bool = False,
            chunk: int = 8192, around_decode=contextlib.nullcontext,
-           host_profile: cProfile.Profile | None = None) -> dict:
+           host_profile: cProfile.Profile | None = None, after_step=None) -> dict:
     """`around_decode`: a context manager (factory) the decode phase runs in, after the prefills;
-    `host_profile`: profiles the engine's steps (its own thread) during the decode phase."""
+    `host_profile`: profiles the engine's steps (its own thread) during the decode phase;
+    `after_step`: called after each of the engine's steps of the decode phase."""
     from rl.rollout.engine_api import SamplingParams
     from rl.rollout.native_engine import NativeEngine
 
@@ -101,28 +102,130 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
                     host_profile.disable()
 
             engine._step = profiled_step
+        if after_step is not None:
+            inner = engine._step
+
+            def hooked_step() -> bool:
+                try:
+                    return inner()
+                finally:
+                    after_step()
+
+            engine._step = hooked_step
         with around_decode():
+            phases.clear()
             started = time.perf_counter()
             await asyncio.gather(*[rest(i) for i in range(seqs)])
             sync()
         return time.perf_counter() - started
 
-    decode_s = asyncio.run(run())
+    with host_phases(engine) as phases, gpu_timeline(engine) as timeline:
+        decode_s = asyncio.run(run())
     replay_ms = replay_alone_ms(engine) if graphs else None
     return {"sequences": seqs, "graphs": graphs, "overlap": overlap, "decode_s": decode_s, "decode_tok_s": seqs * new / decode_s,
             "step_ms": decode_s / new * 1e3, "replay_ms": replay_ms,
             "graphs_captured": engine.stats().extra.get("graphs_captured", 0.0),
+            "host_ms": {k: v / new * 1e3 for k, v in phases.items()}, "gpu_ms": timeline,
             "capture_error": engine._graphs.capture_error if engine._graphs is not None else None,
             "tokens": [tokens[i] for i in range(seqs)]}
+
+
+@contextlib.contextmanager
+def host_phases(engine):
+    """Seconds the engine's thread spends in each part of its steps: launching, reading back (and
+    of that, waiting on the GPU), and the rest of the wall time between steps (the event loop's
+    hand-offs, requests). Summed from the last `phases.clear()` (the decode phase's start)."""
+    phases = dict.fromkeys(("launch", "read_back", "gpu_wait", "between_steps"), 0.0)
+    launch, resolve, step, feed, sample = engine._launch, engine._resolve, engine._step, engine._feed, engine._sample
+    event_sync = torch.cuda.Event.synchronize if torch.cuda.is_available() else None
+    last_end = [None]
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    def timed_step():
+        t = time.perf_counter()
+        if last_end[0] is not None and "launch" in phases:  # (not the first step after a clear)
+            phases["between_steps"] = phases.get("between_steps", 0.0) + t - last_end[0]
+        try:
+            return step()
+        finally:
+            last_end[0] = time.perf_counter()
+
+    engine._launch, engine._resolve, engine._step = timed("launch", launch), timed("read_back", resolve), timed_step
+    engine._feed, engine._sample = timed("launch:feed", feed), timed("launch:sample", sample)
+    if event_sync is not None:
+        torch.cuda.Event.synchronize = timed("gpu_wait", event_sync)
+    try:
+        yield phases
+    finally:
+        engine._launch, engine._resolve, engine._step, engine._feed, engine._sample = launch, resolve, step, feed, sample
+        if event_sync is not None:
+            torch.cuda.Event.synchronize = event_sync
+
+
+@contextlib.contextmanager
+def gpu_timeline(engine):
+    """Where the GPU's time goes between the engine's steps: CUDA events recorded as each step
+    starts launching, around its graph replay, and after its last op. Yields a dict of mean ms per
+    step once the block ends: `before_replay` (the step's inputs copied, and the GPU idle while the
+    host gets to the replay), `replay` (the graph), `after_replay` (sampling, copies back) and
+    `idle_between` (nothing queued between two steps)."""
+    means: dict[str, float] = {}
+    graphs = engine._graphs
+    if not torch.cuda.is_available() or graphs is None or not graphs.use_graphs:
+        yield means
+        return
+    marks: list[tuple[str, torch.cuda.Event]] = []
+    launch, replay = engine._launch, graphs._replay
+
+    def mark(name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, event))
+
+    def marked_launch(*a, **kw):
+        mark("start")
+        try:
+            return launch(*a, **kw)
+        finally:
+            mark("end")
+
+    def marked_replay(*a, **kw):
+        mark("replay")
+        replay(*a, **kw)
+        mark("replayed")
+
+    engine._launch, graphs._replay = marked_launch, marked_replay
+    try:
+        yield means
+    finally:
+        engine._launch, graphs._replay = launch, replay
+    torch.cuda.synchronize()
+    spans = {"before_replay": [], "replay": [], "after_replay": [], "idle_between": []}
+    after = {"start": "before_replay", "replay": "replay", "replayed": "after_replay", "end": "idle_between"}
+    for (name, a), (next_name, b) in zip(marks, marks[1:]):
+        if (name, next_name) in (("start", "replay"), ("replay", "replayed"), ("replayed", "end"), ("end", "start")):
+            spans[after[name]].append(a.elapsed_time(b))
+    means.update({k: sum(v) / len(v) for k, v in spans.items() if v})
 
 
 _PROFILED_MODULES = ("KDAMixer", "MLAMixer", "LatentMoE", "StackedExperts", "Router", "GatedMLP", "AttnRes",
                      "RMSNorm", "LMHead")
 
 
-def replay_alone_ms(engine, repeats: int = 20) -> float | None:
-    """GPU time of one decode step: the widest captured graph replayed back to back (after the run:
-    it rewrites the last step's slots). The engine's step time beyond it is the host's share."""
+def replay_alone_ms(engine, repeats: int = 20) -> dict | None:
+    """The widest captured graph replayed on its own (after the run: it rewrites the last step's
+    slots): `gpu` ms per replay back to back (the GPU's time for a decode step; the engine's step
+    beyond it is the host's share), `host_call` ms the replay call itself takes on the host, and
+    `single` ms from calling one replay on an idle GPU to its end (above `gpu` by how long the GPU
+    waits for the launch)."""
     graphs = engine._graphs._graphs if engine._graphs is not None else {}
     if not graphs or not torch.cuda.is_available():
         return None
@@ -130,11 +233,67 @@ def replay_alone_ms(engine, repeats: int = 20) -> float | None:
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    host = 0.0
     for _ in range(repeats):
+        t = time.perf_counter()
         graph.replay()
+        host += time.perf_counter() - t
     end.record()
     sync()
-    return start.elapsed_time(end) / repeats
+    singles = []
+    for _ in range(5):
+        t = time.perf_counter()
+        graph.replay()
+        sync()
+        singles.append(time.perf_counter() - t)
+    return {"gpu": start.elapsed_time(end) / repeats, "host_call": host / repeats * 1e3,
+            "single": min(singles) * 1e3}
+
+
+def trace_decode(model, seqs: int, prompt: int, new: int, vocab: int, path: str) -> str:
+    """A few overlapped graph decode steps under torch.profiler (every thread), written as a Chrome
+    trace to `path`, and summed up: per cudaGraphLaunch, how long the host call took, how long after
+    it started the graph's first kernel ran, and the graph's span on the GPU."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    # the first steps capture the graphs (a shape each): traced are the steps after them
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=4, warmup=2, active=new - 8, repeat=1),
+                   on_trace_ready=lambda p: p.export_chrome_trace(path),
+                   experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    decode(model, seqs, prompt, new, vocab, graphs=True, overlap=True, around_decode=lambda: prof,
+           after_step=prof.step)
+    import json
+
+    events = json.load(open(path))["traceEvents"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})}
+    kernels: dict[int, list[dict]] = {}
+    for e in events:
+        if e.get("cat") == "kernel" and e.get("args", {}).get("correlation") in launches:
+            kernels.setdefault(e["args"]["correlation"], []).append(e)
+    rows = []
+    for corr, launch in sorted(launches.items(), key=lambda kv: kv[1]["ts"]):
+        ks = kernels.get(corr)
+        if not ks:
+            continue
+        first, last = min(k["ts"] for k in ks), max(k["ts"] + k["dur"] for k in ks)
+        busy = sum(k["dur"] for k in ks)
+        rows.append((launch["dur"], first - launch["ts"], last - first, busy, len(ks)))
+    if not rows:
+        return "no graph launches with kernels in the trace"
+    n = len(rows)
+    mean = [sum(r[i] for r in rows) / n / 1e3 for i in range(4)]
+    by_name: dict[str, list[float]] = {}
+    for ks in kernels.values():
+        for k in ks:
+            by_name.setdefault(k["name"][:90], []).append(k["dur"])
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+    lines = [f"{sum(d) / n / 1e3:8.3f} ms/step {len(d) / n:6.1f}/step  {name}" for name, d in top]
+    return (f"{n} graph launches, {rows[0][4]} kernels each: host call {mean[0]:.2f} ms, first kernel "
+            f"{mean[1]:.2f} ms after the call began, GPU span {mean[2]:.2f} ms, kernels busy {mean[3]:.2f} ms\n"
+            + "\n".join(lines))
 
 
 def profile_decode(model, seqs: int, prompt: int, new: int, vocab: int, rows: int = 40) -> str:
@@ -230,6 +389,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="float32: graph and eager tokens compared at full precision")
     parser.add_argument("--profile", action="store_true",
                         help="then a profiled eager decode (GPU time by module and op) and graph decode (host time)")
+    parser.add_argument("--trace", default=None, help="then a Chrome trace of 8 overlapped graph decode steps here")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model = build(args.preset, args.device, getattr(torch, args.dtype))
@@ -249,7 +409,11 @@ def main() -> None:
             log(f"{n} sequences, {mode}: decode {row['decode_tok_s']:.0f} tok/s, "
                 f"bound {row['bound_tok_s']:.0f} tok/s, {row['fraction_of_bound']:.1%} of it; "
                 f"{row['graphs_captured']:.0f} graphs captured; step {row['step_ms']:.2f} ms"
-                + (f" (graph replay alone {row['replay_ms']:.2f} ms)" if row["replay_ms"] else "")
+                + (" (graph replay alone: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row["replay_ms"].items()) + ")"
+                   if row["replay_ms"] else "")
+                + "; host ms/step: " + ", ".join(f"{k} {v:.2f}" for k, v in row["host_ms"].items())
+                + ("; GPU ms/step: " + ", ".join(f"{k} {v:.2f}" for k, v in row["gpu_ms"].items())
+                   if row["gpu_ms"] else "")
                 + (f"; CAPTURE FAILED: {row['capture_error']}" if row["capture_error"] else ""))
         # bf16 kernels with atomics (the MoE combine's index_add_) are not bitwise repeatable: a second eager
         # run says how often greedy decoding of random weights diverges between two runs of the same path
@@ -274,6 +438,9 @@ def main() -> None:
     if args.profile:
         log(f"host profile of a CUDA-graph decode at {args.seqs[0]} sequences:\n"
             + profile_host(model, args.seqs[0], args.prompt, args.new, vocab))
+    if args.trace:
+        log(f"trace of an overlapped graph decode at {args.seqs[0]} sequences ({args.trace}): "
+            + trace_decode(model, args.seqs[0], args.prompt, 16, vocab, args.trace))
     if args.long_context:
         row = long_context(model, args.long_context, args.new, args.chunk, vocab)
         results["long_context"] = row

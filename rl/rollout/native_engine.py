@@ -31,6 +31,7 @@ token recording the version that sampled it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -114,6 +115,13 @@ class NativeEngine(RolloutEngine):
         on_gpu = self.cache.device.type == "cuda"
         # the last step's sampled tokens, where the next step's rows can read their input
         self._sampled = torch.zeros(max_slots + 1, dtype=torch.long, device=self.cache.device)
+        self._logprobs = torch.zeros(max_slots + 1, device=self.cache.device)
+        # where launched steps' tokens and logprobs land on the host: two, for the step in flight and
+        # the one being launched (pinned: copied without waiting)
+        pinned = self.cache.device.type == "cuda"
+        self._host_out = [(torch.zeros(max_slots + 1, dtype=torch.long, pin_memory=pinned),
+                           torch.zeros(max_slots + 1, pin_memory=pinned)) for _ in range(2)]
+        self._launches = 0
         fixed_shapes = compile_decode or (on_gpu if decode_graphs is None else decode_graphs)
         self._graphs = (DecodeGraphs(model, self.cache, record_routing, use_graphs=on_gpu, fed_back=self._sampled,
                                      compile=compile_decode) if fixed_shapes else None)
@@ -127,7 +135,8 @@ class NativeEngine(RolloutEngine):
         self._stats = EngineStats()
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._lock: asyncio.Lock | None = None  # held by a forward; a weight update waits for it
+        self._lock: asyncio.Lock | None = None  # held by a burst of steps; requests wait for it (`_hold`)
+        self._callers = 0  # requests waiting for the lock
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-engine")  # every torch call
         self._device = model.lm_head.weight.device
 
@@ -136,7 +145,7 @@ class NativeEngine(RolloutEngine):
         self._ensure_loop()
         if not prompt:
             raise ValueError("start_group: the prompt is empty")
-        async with self._lock:
+        async with self._hold():
             now = time.monotonic()
             parent = _Seq(seq_ids[0], list(prompt), admitted=now)
             self.seqs[parent.seq_id] = parent
@@ -146,7 +155,7 @@ class NativeEngine(RolloutEngine):
 
     async def generate(self, seq_id: str, append: list[int], params: SamplingParams) -> TurnOutput:
         self._ensure_loop()
-        async with self._lock:
+        async with self._hold():
             seq = self.seqs.get(seq_id)
             if seq is None:
                 raise KeyError(f"generate: unknown sequence {seq_id!r} (start_group first)")
@@ -168,7 +177,7 @@ class NativeEngine(RolloutEngine):
 
     async def finish(self, seq_id: str) -> SequenceRecord:
         self._ensure_loop()
-        async with self._lock:
+        async with self._hold():
             seq = self.seqs.get(seq_id)
             if seq is not None and self._pending is not None and any(r.seq is seq for r in self._pending.rows):
                 await self._settle()  # its record takes the routing of the step in flight
@@ -189,7 +198,7 @@ class NativeEngine(RolloutEngine):
 
     async def update_weights(self, weights: WeightUpdate, version: int) -> None:
         self._ensure_loop()
-        async with self._lock:
+        async with self._hold():
             self.model.load_state_dict(weights)
             self.version = version
 
@@ -197,14 +206,14 @@ class NativeEngine(RolloutEngine):
         """Like update_weights, for a loader that writes into the model itself and returns the
         version it loaded (rl.weight_sync's buckets): run in a thread, between two forward passes."""
         self._ensure_loop()
-        async with self._lock:
+        async with self._hold():
             self.version = await asyncio.get_running_loop().run_in_executor(self._worker, load, self.model)
 
     async def release_cache(self) -> int:
         """Free the cache's memory while the engine holds no sequence (a colocated learner steps
         meanwhile); the next sequence allocates it again. Returns the bytes freed (0 when busy)."""
         self._ensure_loop()
-        async with self._lock:
+        async with self._hold():
             if self.seqs or self.cache.released:
                 return 0
             await self._settle()
@@ -219,6 +228,20 @@ class NativeEngine(RolloutEngine):
         s.waiting = sum(q.slot is None for q in self.seqs.values())
         s.extra["free_blocks"] = float(self.cache.free_blocks)
         return s
+
+    @contextlib.asynccontextmanager
+    async def _hold(self):
+        """The engine to oneself between two steps: a burst of steps (`_steps`) ends as soon as
+        someone waits here."""
+        self._callers += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._callers -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     async def _settle(self) -> None:
         """Read back the step in flight (the lock held)."""
@@ -251,7 +274,7 @@ class NativeEngine(RolloutEngine):
                 async with self._lock:
                     started = time.perf_counter()
                     try:
-                        progressed = await asyncio.get_running_loop().run_in_executor(self._worker, self._step)
+                        progressed = await asyncio.get_running_loop().run_in_executor(self._worker, self._steps)
                     except Exception as exc:  # noqa: BLE001 - a failed step fails its sequences, not the engine
                         progressed = False
                         self._pending = None
@@ -264,6 +287,16 @@ class NativeEngine(RolloutEngine):
                             self._fail(seq, error)
                     self._stats.busy_s += time.perf_counter() - started
                 await asyncio.sleep(0)  # requests and weight updates get in between two steps
+
+    def _steps(self) -> bool:
+        """Steps back to back while they make progress and no request waits for the engine: each
+        hand-off between the event loop and this thread costs tenths of a millisecond of host
+        time, a good part of a GPU decode step. Requests (new turns, finishes, weight updates) get
+        in after the step running when they arrive. Returns whether the last step made progress."""
+        progressed = self._step()
+        while progressed and not self._callers:
+            progressed = self._step()
+        return progressed
 
     @torch.no_grad()
     def _step(self) -> bool:
@@ -318,38 +351,41 @@ class NativeEngine(RolloutEngine):
 
         launch = _Launch([], self.version)
         parts: list[torch.Tensor] = []  # logits [rows, vocab] of this step's forwards, in row order
-        ready: dict[int, tuple[_Seq, int]] = {}  # fed to the end this step: id -> (seq, its logits' row in `parts`)
+        # fed to the end this step: id -> (seq, its logits' row in `parts`, its row of the launch)
+        ready: dict[int, tuple[_Seq, int, _Row | None]] = {}
         if decode:
             spec = [src >= 0 for src in sources]
             if any(spec):  # tokens decoded before the host read them
                 self._stats.extra["fed_unread"] = self._stats.extra.get("fed_unread", 0.0) + sum(spec)
             logits, routing = self._feed(decode, [1] * len(decode), sources)
             for b, s in enumerate(decode):
-                launch.rows.append(_Row(s, s.epoch, routing=None if routing is None else (routing, b, 1)))
+                row = _Row(s, s.epoch, routing=None if routing is None else (routing, b, 1))
+                launch.rows.append(row)
                 if s.fed == len(s.tokens) + spec[b]:
-                    ready[id(s)] = (s, b)
+                    ready[id(s)] = (s, b, row)
             parts.append(logits)
         if prefill:
             offset = len(decode)
             seqs = [s for s, _ in prefill]
             logits, routing = self._feed(seqs, [n for _, n in prefill], [-1] * len(seqs))
             for b, (s, n) in enumerate(prefill):
-                launch.rows.append(_Row(s, s.epoch, routing=None if routing is None else (routing, b, n)))
+                row = _Row(s, s.epoch, routing=None if routing is None else (routing, b, n))
+                launch.rows.append(row)
                 if s.fed == len(s.tokens):
-                    ready[id(s)] = (s, offset + b)
+                    ready[id(s)] = (s, offset + b, row)
             parts.append(logits)
         forked = self._fork_ready(ready, pending, launch)
         # turns to sample: those fed to the end now, and those whose logits were held from before
         held = [s for s in self.seqs.values() if s.logits is not None and s.turn is not None and s.fork_of is None]
-        picks = sorted(((s, r) for s, r in ready.values() if s.turn is not None), key=lambda pick: pick[1])
+        picks = sorted((pick for pick in ready.values() if pick[0].turn is not None), key=lambda pick: pick[1])
         rows_so_far = sum(p.shape[0] for p in parts)
-        picks += [(s, rows_so_far + i) for i, s in enumerate(held)]
+        picks += [(s, rows_so_far + i, None) for i, s in enumerate(held)]
         if held:
             parts.append(torch.stack([s.logits for s in held]))
             for s in held:
                 s.logits = None
         # fed to the end with no turn to sample yet (a group's parent waiting for its turn): held
-        for s, r in ready.values():
+        for s, r, _ in ready.values():
             if s.turn is None:
                 s.logits = _row_of(parts, r).clone()
         if picks:
@@ -407,7 +443,7 @@ class NativeEngine(RolloutEngine):
         seq.epoch += 1
         self._stats.extra["preempted"] = self._stats.extra.get("preempted", 0.0) + 1
 
-    def _fork_ready(self, ready: dict[int, tuple[_Seq, int]], pending: _Launch | None,
+    def _fork_ready(self, ready: dict[int, tuple[_Seq, int, _Row | None]], pending: _Launch | None,
                     launch: _Launch) -> bool:
         """Fork every member whose group prompt is fed to the end (now, or held from before): it
         shares the parent's logits (its `ready` row, or held logits) and the routing of the parent's
@@ -435,7 +471,7 @@ class NativeEngine(RolloutEngine):
                 if row.seq is parent and row.epoch == parent.epoch:
                     row.shares.append((child, child.epoch))
             if id(parent) in ready:
-                ready[id(child)] = (child, ready[id(parent)][1])
+                ready[id(child)] = (child, ready[id(parent)][1], None)
             else:
                 child.logits = parent.logits
         return forked
@@ -488,32 +524,37 @@ class NativeEngine(RolloutEngine):
         routing = out.routing if self.record_routing and out.routing is not None else None
         return out.logits[:, -1], routing
 
-    def _sample(self, launch: _Launch, picks: list[tuple[_Seq, int]], parts: list[torch.Tensor]) -> None:
-        """One token for each picked turn, from its row of `parts`' logits, on the device: into the
-        fed-back buffer (the next step's rows may read them there) and queued to the host."""
-        dev = self._device
-        rows = [r for _, r in picks]
+    def _sample(self, launch: _Launch, picks: list[tuple[_Seq, int, _Row | None]], parts: list[torch.Tensor]) -> None:
+        """One token for each picked turn (seq, its logits' row in `parts`, its row of the launch if
+        it has one), on the device: into the fed-back buffer (the next step's rows may read them
+        there), and copied to the host without waiting."""
+        dev, m = self._device, len(picks)
+        rows = [r for _, r, _ in picks]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         if rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(torch.tensor(rows), dev))
-        params = [s.turn.params for s, _ in picks]
+        params = [s.turn.params for s, _, _ in picks]
+        tokens, logprobs = self._sampled[:m], self._logprobs[:m]
         if all(p.temperature <= 0 for p in params):  # what sample_tokens gives greedy rows, without the noise
-            tokens = logits.argmax(-1)
-            logprobs = torch.zeros(len(picks), device=dev)
+            torch.argmax(logits, -1, out=tokens)
+            logprobs.zero_()
         else:
             floats = to_device(torch.tensor([[p.temperature, p.top_p] for p in params], dtype=torch.float32), dev)
-            ints = to_device(torch.tensor([[p.seed, s.sampled + s.inflight] for (s, _), p in zip(picks, params)],
+            ints = to_device(torch.tensor([[p.seed, s.sampled + s.inflight] for (s, _, _), p in zip(picks, params)],
                                           dtype=torch.long), dev)
-            tokens, logprobs = sample_tokens(logits, floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1],
-                                             nucleus=any(p.top_p < 1 for p in params))
-        self._sampled[:len(picks)].copy_(tokens)
-        launch.tokens, launch.logprobs = to_host(tokens), to_host(logprobs)
+            drawn, drawn_logprobs = sample_tokens(logits, floats[:, 0], floats[:, 1], ints[:, 0], ints[:, 1],
+                                                  nucleus=any(p.top_p < 1 for p in params))
+            tokens.copy_(drawn)
+            logprobs.copy_(drawn_logprobs)
+        host_tokens, host_logprobs = self._host_out[self._launches % 2]
+        self._launches += 1
+        launch.tokens, launch.logprobs = host_tokens[:m], host_logprobs[:m]
+        launch.tokens.copy_(tokens, non_blocking=True)
+        launch.logprobs.copy_(logprobs, non_blocking=True)
         if dev.type == "cuda":
             launch.done = torch.cuda.Event()
             launch.done.record()
-        by_seq = {id(r.seq): r for r in launch.rows}
-        for i, (s, _) in enumerate(picks):
-            row = by_seq.get(id(s))
+        for i, (s, _, row) in enumerate(picks):
             if row is None:  # sampled from held or a parent's logits: a row of its own
                 row = _Row(s, s.epoch)
                 launch.rows.append(row)
