@@ -77,7 +77,7 @@ class StackedExperts(nn.Module):
         [N, dim] float32. With `ep_group` this rank holds only its slice of the experts and the
         token rows travel to the ranks that hold theirs (moe_parallel.py)."""
         flat_e = idx.reshape(-1)
-        order = torch.argsort(flat_e, stable=True)  # token-expert pairs, expert by expert
+        order = expert_order(flat_e)
         tok = order // idx.shape[1]
         zs = z[tok]
         if ep_group is None:
@@ -142,6 +142,23 @@ def fixed_capacity_experts() -> Iterator[None]:
         yield
     finally:
         _fixed_capacity.enabled = previous
+
+
+RANKING_MAX_PAIRS = 2048  # token-expert pairs up to which expert_order ranks them by comparison
+
+
+def expert_order(expert_ids: torch.Tensor) -> torch.Tensor:
+    """The permutation that lists token-expert pairs expert by expert, each expert's in their
+    original order (a stable argsort). A decode batch's few hundred pairs are ranked by comparing
+    every pair with every other (pair i's place: the pairs before it in (expert, position)
+    order), in a handful of small kernels: a radix sort of them took ~27 us on an H200."""
+    m = expert_ids.numel()
+    if m > RANKING_MAX_PAIRS:
+        return torch.argsort(expert_ids, stable=True)
+    position = torch.arange(m, device=expert_ids.device)
+    key = expert_ids * m + position  # distinct, ordered by (expert, position)
+    place = (key[None, :] < key[:, None]).sum(1)
+    return torch.empty_like(expert_ids).scatter_(0, place, position)
 
 
 def expert_counts(expert_ids: torch.Tensor, n_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,6 +24,7 @@ decode step there; the experts' per-expert loop stays eager)."""
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 
 import numpy as np
@@ -65,8 +66,8 @@ class _Buffers:
         self.packed = torch.zeros(batch, start, dtype=torch.long, device=device)
         self.staging = torch.zeros(self.packed.shape, dtype=torch.long, pin_memory=device.type == "cuda")
         self.sent: torch.cuda.Event | None = None  # the last transfer out of `staging`
-        self.logits: torch.Tensor | None = None  # [B, vocab] float32, written by the step
-        self.routing: torch.Tensor | None = None  # [B, n_moe, k], written by the step when recorded
+        self.logits: torch.Tensor | None = None  # [B, vocab] float32: the last step's (a graph's output)
+        self.routing: torch.Tensor | None = None  # [B, n_moe, k]: the last step's, when recorded
 
     def column(self, name: str) -> torch.Tensor:
         return self.packed[:, self.columns[name]]
@@ -90,6 +91,7 @@ class DecodeGraphs:
         self._pool = None  # one memory pool for every graph: they never run at once
         self._cache_tensors: tuple[int, ...] = ()
         self.captured = 0  # graphs captured so far (EngineStats)
+        self.capture_s = 0.0  # time spent capturing them (warm-up forwards included)
         self.capture_error: str | None = None  # why capturing failed (decoding then stays eager)
 
     @torch.no_grad()
@@ -153,14 +155,10 @@ class DecodeGraphs:
             out = self.model(ids, cache=view, use_cache=True, logits_to_keep=1,
                              return_routing=self.record_routing)
         self.cache.write_states(slots, out.cache)
-        logits = out.logits[:, -1]
-        if buf.logits is None:
-            buf.logits = torch.empty_like(logits)
-            if self.record_routing and out.routing is not None:
-                buf.routing = torch.empty_like(out.routing[:, -1])
-        buf.logits.copy_(logits)
-        if buf.routing is not None:
-            buf.routing.copy_(out.routing[:, -1])
+        # the forward's own outputs, not copies: inside a graph they keep their addresses at every replay
+        buf.logits = out.logits[:, -1]
+        if self.record_routing and out.routing is not None:
+            buf.routing = out.routing[:, -1]
 
     def _replay(self, shape: tuple[int, int], buf: _Buffers) -> None:
         tensors = self.cache.tensor_ids()
@@ -185,6 +183,8 @@ class DecodeGraphs:
         """Warm up (kernels compiled and tuned, output buffers made) and capture on a side stream,
         with the buffers pointing at the scratch slot and block: neither run may change a real
         sequence's state. The caller fills the buffers again before replaying."""
+        torch.cuda.synchronize(self.device)  # (rare: the time it takes is recorded alone)
+        started = time.perf_counter()
         real = buf.packed.clone()
         buf.column("slots").fill_(self.cache.scratch_slot)
         buf.column("source").fill_(-1)
@@ -204,5 +204,7 @@ class DecodeGraphs:
                 self._forward(buf)
         finally:
             buf.packed.copy_(real)
+        torch.cuda.synchronize(self.device)
         self.captured += 1
+        self.capture_s += time.perf_counter() - started
         return graph

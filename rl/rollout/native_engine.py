@@ -489,6 +489,7 @@ class NativeEngine(RolloutEngine):
                                                 sources)
             routing = None if routing is None else routing[:, None]
             self._stats.extra["graphs_captured"] = float(self._graphs.captured)
+            self._stats.extra["graph_capture_s"] = self._graphs.capture_s
             if self._graphs.capture_error is not None:
                 self._stats.extra["graph_capture_failed"] = 1.0
         else:
