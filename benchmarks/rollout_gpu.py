@@ -164,15 +164,22 @@ def host_phases(engine):
             return step()
         finally:
             last_end[0] = time.perf_counter()
+            phases["in_steps"] = phases.get("in_steps", 0.0) + last_end[0] - t
 
     engine._launch, engine._resolve, engine._step = timed("launch", launch), timed("read_back", resolve), timed_step
     engine._feed, engine._sample = timed("launch:feed", feed), timed("launch:sample", sample)
+    graphs = engine._graphs
+    if graphs is not None:
+        fill, replay = graphs._fill, graphs._replay
+        graphs._fill, graphs._replay = timed("feed:fill", fill), timed("feed:replay", replay)
     if event_sync is not None:
         torch.cuda.Event.synchronize = timed("gpu_wait", event_sync)
     try:
         yield phases
     finally:
         engine._launch, engine._resolve, engine._step, engine._feed, engine._sample = launch, resolve, step, feed, sample
+        if graphs is not None:
+            graphs._fill, graphs._replay = fill, replay
         if event_sync is not None:
             torch.cuda.Event.synchronize = event_sync
 
