@@ -42,7 +42,8 @@ class TurnOutput:
 class SequenceRecord:
     """What an engine knows of a sequence once it is finished."""
 
-    fed_tokens: int  # tokens the model has consumed (the last sampled token never is)
+    fed_tokens: int  # tokens the model has consumed (all but the last sampled one; with the native engine's
+    # overlapped steps, that one too when its turn ended on a stop)
     routing: np.ndarray | None = None  # int16 [fed_tokens, n_moe_layers, top_k]: experts chosen per fed token
 
 
