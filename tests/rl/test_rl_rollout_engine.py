@@ -13,7 +13,7 @@ from policy import build_model
 from policy.slot_cache import SlotCache
 from rl.config import RolloutConfig
 from rl.rollout.cache_budget import DEFAULT_CACHE_TOKENS, engine_cache_tokens
-from rl.rollout.engine_api import SamplingParams
+from rl.rollout.engine_api import SamplingParams, TurnOutput
 from rl.rollout.native_engine import NativeEngine
 from rl.rollout.worker import build_engine
 from rl.rollout.sampling import processed_logprobs, sample_tokens, uniform_noise
@@ -175,10 +175,10 @@ def test_preemption_when_the_cache_runs_out_gives_the_same_tokens(model):
     assert tokens_of(squeezed) == tokens_of(roomy)
 
 
-def test_logprobs_and_routing_match_a_fresh_learner_forward(model):
-    e = engine(model, max_slots=8, cache_tokens=4096)
-    result = asyncio.run(play(e, prompts(2), turns=3))
-    groups = prompts(2)
+def assert_matches_learner_forward(model, result: dict[str, list], groups: dict, fed_beyond: tuple[int, ...]) -> None:
+    """Each played sequence's sampled logprobs against a fresh learner forward over its tokens with
+    the recorded routing replayed, and the recorded routing against the forward's own choice.
+    fed_beyond: how many tokens past all but the last sampled one the engine may have fed."""
     for sid, rec in result.items():
         gid, m = sid.split("/")
         tokens, mask, logprobs = list(groups[gid][0]), [0] * len(groups[gid][0]), [0.0] * len(groups[gid][0])
@@ -188,7 +188,7 @@ def test_logprobs_and_routing_match_a_fresh_learner_forward(model):
             mask += [0] * len(append) + [1] * len(new)
             logprobs += [0.0] * len(append) + lps
         record = rec[-1]
-        assert record.fed_tokens == len(tokens) - 1  # the last sampled token is never fed
+        assert record.fed_tokens in [len(tokens) - 1 + extra for extra in fed_beyond]
         routing = torch.full((1, len(tokens), *record.routing.shape[1:]), -1, dtype=torch.long)
         routing[0, :record.fed_tokens] = torch.from_numpy(record.routing.astype("int64"))
         with torch.no_grad():
@@ -198,6 +198,12 @@ def test_logprobs_and_routing_match_a_fresh_learner_forward(model):
         gap = (full[real] - torch.tensor(logprobs)[real]).abs().max().item()
         assert gap < 2e-4, f"{sid}: train-vs-rollout logprob gap {gap}"
         assert torch.equal(free.routing[0, :record.fed_tokens], routing[0, :record.fed_tokens])
+
+
+def test_logprobs_and_routing_match_a_fresh_learner_forward(model):
+    e = engine(model, max_slots=8, cache_tokens=4096)
+    result = asyncio.run(play(e, prompts(2), turns=3))
+    assert_matches_learner_forward(model, result, prompts(2), fed_beyond=(0,))  # the last sampled token never fed
 
 
 def test_long_episode_past_the_old_cap(model):
@@ -352,18 +358,18 @@ def test_top_p_samples_only_from_the_nucleus_and_reports_its_logprob():
     assert processed_logprobs(logits[:1], torch.ones(1), torch.full((1,), 0.7))[0, 2] == float("-inf")
 
 
-def test_weights_updated_mid_turn_label_each_token_with_the_version_that_sampled_it(model):
-    """Partial rollout: the turn goes on under the new weights; tokens before the update carry the
-    old version, those after it the new one."""
+def turn_with_weights_updated_mid_way(model, n: int, **engine_kw) -> TurnOutput:
+    """One sequence's turn of n tokens (no stop) on a copy of `model` at version 3, weights
+    perturbed to version 4 once 5 tokens are out."""
     import copy
 
     mine = copy.deepcopy(model)
     newer = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in mine.state_dict().items()}
-    e = engine(mine)
+    e = engine(mine, **engine_kw)
 
     async def run():
         await e.start_group(["s/0"], list(range(10, 20)))
-        turn = asyncio.ensure_future(e.generate("s/0", [], SamplingParams(max_new_tokens=300, temperature=1.0,
+        turn = asyncio.ensure_future(e.generate("s/0", [], SamplingParams(max_new_tokens=n, temperature=1.0,
                                                                           stop_ids=frozenset(), seed=1)))
         while e.stats().generated_tokens < 5:
             await asyncio.sleep(0.001)
@@ -372,7 +378,13 @@ def test_weights_updated_mid_turn_label_each_token_with_the_version_that_sampled
         await e.finish("s/0")
         return out
 
-    out = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_weights_updated_mid_turn_label_each_token_with_the_version_that_sampled_it(model):
+    """Partial rollout: the turn goes on under the new weights; tokens before the update carry the
+    old version, those after it the new one."""
+    out = turn_with_weights_updated_mid_way(model, 300)
     assert out.versions == sorted(out.versions) and out.versions[0] == 3 and out.versions[-1] == 4
     assert 5 <= out.versions.count(3) < 300 and len(out.versions) == len(out.tokens) == 300
 

@@ -5,29 +5,16 @@ weight updates. On a CPU the steps still run in order; the bookkeeping is the GP
 from __future__ import annotations
 
 import asyncio
-import copy
 
 import pytest
 import torch
 
-from policy import build_model
 from rl.config import RolloutConfig
 from rl.rollout.engine_api import SamplingParams
 from rl.rollout.native_engine import NativeEngine
 from rl.rollout.worker import build_engine
-from tests.rl.test_rl_rollout_engine import TOY, play, prompts, tokens_of, tool_result
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return build_model("toy", vocab_size=300).eval()
-
-
-def engine(model, **kw) -> NativeEngine:
-    e = NativeEngine(model, **kw)
-    e.version = 3
-    return e
+from tests.rl.test_rl_rollout_engine import (TOY, assert_matches_learner_forward, engine, model, play,  # noqa: F401
+                                             prompts, tokens_of, turn_with_weights_updated_mid_way)
 
 
 def assert_same_rollouts(inorder: dict, overlapped: dict) -> None:
@@ -90,44 +77,12 @@ def test_a_turn_after_a_stop_with_nothing_appended_continues_as_in_order(model):
 def test_overlapped_logprobs_and_routing_match_a_fresh_learner_forward(model):
     e = engine(model, max_slots=8, cache_tokens=4096, overlap=True, decode_graphs=True)
     result = asyncio.run(play(e, prompts(2), turns=3))
-    for sid, rec in result.items():
-        gid, m = sid.split("/")
-        prompt = prompts(2)[gid][0]
-        tokens, mask, logprobs = list(prompt), [0] * len(prompt), [0.0] * len(prompt)
-        for t, (new, lps, _versions) in enumerate(rec[:-1]):
-            append = tool_result(int(m), t)
-            tokens += append + new
-            mask += [0] * len(append) + [1] * len(new)
-            logprobs += [0.0] * len(append) + lps
-        record = rec[-1]
-        assert record.fed_tokens in (len(tokens) - 1, len(tokens))
-        routing = torch.full((1, len(tokens), *record.routing.shape[1:]), -1, dtype=torch.long)
-        routing[0, :record.fed_tokens] = torch.from_numpy(record.routing.astype("int64"))
-        with torch.no_grad():
-            full = model(torch.tensor([tokens]), routing=routing, return_token_logprobs=True).token_logprobs[0]
-            free = model(torch.tensor([tokens]), return_routing=True)
-        real = torch.tensor(mask, dtype=torch.bool)
-        assert (full[real] - torch.tensor(logprobs)[real]).abs().max().item() < 2e-4
-        assert torch.equal(free.routing[0, :record.fed_tokens], routing[0, :record.fed_tokens])
+    # a last turn that ended on a stop had the stop fed too
+    assert_matches_learner_forward(model, result, prompts(2), fed_beyond=(0, 1))
 
 
 def test_weights_updated_between_overlapped_steps_label_tokens_by_the_weights_that_sampled_them(model):
-    mine = copy.deepcopy(model)
-    newer = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in mine.state_dict().items()}
-    e = engine(mine, overlap=True, decode_graphs=True)
-
-    async def run():
-        await e.start_group(["s/0"], list(range(10, 20)))
-        turn = asyncio.ensure_future(e.generate("s/0", [], SamplingParams(max_new_tokens=200, temperature=1.0,
-                                                                          stop_ids=frozenset(), seed=1)))
-        while e.stats().generated_tokens < 5:
-            await asyncio.sleep(0.001)
-        await e.update_weights(newer, version=4)
-        out = await turn
-        await e.finish("s/0")
-        return out
-
-    out = asyncio.run(run())
+    out = turn_with_weights_updated_mid_way(model, 200, overlap=True, decode_graphs=True)
     assert out.versions == sorted(out.versions) and out.versions[0] == 3 and out.versions[-1] == 4
     assert len(out.tokens) == 200
     # the same stream under the same switch point, stepping in order: the tokens after it differ only
