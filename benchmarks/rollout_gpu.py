@@ -24,6 +24,7 @@ import asyncio
 import cProfile
 import contextlib
 import io
+import json
 import pstats
 import sys
 import time
@@ -272,17 +273,24 @@ def trace_decode(model, seqs: int, prompt: int, new: int, vocab: int, path: str)
     trace to `path`, and summed up: per cudaGraphLaunch, how long the host call took, how long after
     it started the graph's first kernel ran, and the graph's span on the GPU."""
     from torch._C._profiler import _ExperimentalConfig
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import ProfilerActivity, profile
 
-    # the first steps capture the graphs (a shape each): traced are the steps after them
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                   schedule=schedule(wait=4, warmup=2, active=new - 8, repeat=1),
-                   on_trace_ready=lambda p: p.export_chrome_trace(path),
                    experimental_config=_ExperimentalConfig(profile_all_threads=True))
-    decode(model, seqs, prompt, new, vocab, graphs=True, overlap=True, around_decode=lambda: prof,
-           after_step=prof.step)
-    import json
+    # started and stopped in the engine's thread, after the first steps (they capture the graphs,
+    # a shape each) and before the last (a profiler stepped from that thread and left from the main
+    # one failed on the H200: "Expected record to be set")
+    first, last, steps = 6, new - 2, [0]
 
+    def after_step() -> None:
+        steps[0] += 1
+        if steps[0] == first:
+            prof.start()
+        elif steps[0] == last:
+            prof.stop()
+            prof.export_chrome_trace(path)
+
+    decode(model, seqs, prompt, new, vocab, graphs=True, overlap=True, after_step=after_step)
     events = json.load(open(path))["traceEvents"]
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})}
@@ -406,7 +414,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="float32: graph and eager tokens compared at full precision")
     parser.add_argument("--profile", action="store_true",
                         help="then a profiled eager decode (GPU time by module and op) and graph decode (host time)")
-    parser.add_argument("--trace", default=None, help="then a Chrome trace of 8 overlapped graph decode steps here")
+    parser.add_argument("--trace", default=None, help="then a Chrome trace of 8 overlapped graph decode steps, written here")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model = build(args.preset, args.device, getattr(torch, args.dtype))
