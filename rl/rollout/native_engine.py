@@ -87,9 +87,9 @@ class _Launch:
     """A step queued on the device, read back by `_resolve`."""
     rows: list[_Row]
     version: int  # the weights that sampled its tokens
-    tokens: torch.Tensor | None = None  # [m] host, valid once `done`
+    tokens: torch.Tensor | None = None  # [m] host, valid once `done` (with the rows' routing)
     logprobs: torch.Tensor | None = None
-    done: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None  # recorded after the launch's last copy to the host
 
 
 class NativeEngine(RolloutEngine):
@@ -392,6 +392,9 @@ class NativeEngine(RolloutEngine):
             self._sample(launch, picks, parts)
         if not (decode or prefill or forked or picks):
             return None
+        if self._device.type == "cuda":  # after every copy back (tokens, logprobs, routing): `_resolve` waits for it
+            launch.done = torch.cuda.Event()
+            launch.done.record()
         return launch
 
     def _goes_on(self, row: _Row) -> bool:
@@ -552,9 +555,6 @@ class NativeEngine(RolloutEngine):
         launch.tokens, launch.logprobs = host_tokens[:m], host_logprobs[:m]
         launch.tokens.copy_(tokens, non_blocking=True)
         launch.logprobs.copy_(logprobs, non_blocking=True)
-        if dev.type == "cuda":
-            launch.done = torch.cuda.Event()
-            launch.done.record()
         for i, (s, _, row) in enumerate(picks):
             if row is None:  # sampled from held or a parent's logits: a row of its own
                 row = _Row(s, s.epoch)
