@@ -4,9 +4,10 @@
     python3 benchmarks/rollout_gpu.py --preset kimi-linear-4l --seqs 64 --json $OUT/rollout_gpu.json
     python3 benchmarks/rollout_gpu.py --preset small --seqs 64 --long-context 131072
 
-Each size runs three times in one process, eager decode beside the CUDA-graph decode
-(rl/rollout/decode_graphs.py), and the graphs with overlapped steps (each launched before the last
-one's tokens are read back: the engine's default on a GPU), the same sequences and tokens. `--long-context N` then prefills one
+Each size runs four times in one process (`--modes` picks), eager decode beside the CUDA-graph decode
+(rl/rollout/decode_graphs.py), the graphs with overlapped steps (each launched before the last
+one's tokens are read back: the engine's default on a GPU), and those with the captured step
+compiled by torch.compile (`rollout.compile_decode`), the same sequences and tokens. `--long-context N` then prefills one
 N-token prompt (in chunks of --chunk tokens) and decodes from it: time, decode rate, peak memory.
 
 `kimi-linear-4l`: Kimi-Linear-48B layer shapes cut to 4 layers (3 KDA + 1 MLA) and 64 experts.
@@ -37,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_common import log, write_json  # noqa: E402
 
 BANDWIDTH = 4.3e12
+# (CUDA graphs, overlapped steps, the step compiled): each mode of decoding a size runs
+MODES = {"eager": (False, False, False), "CUDA graphs": (True, False, False), "graphs + overlap": (True, True, False),
+         "compiled": (True, True, True)}
 
 
 def sync() -> None:
@@ -66,7 +70,7 @@ def bound_tok_s(model, seqs: int, context: int) -> float:
 
 
 def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, overlap: bool = False,
-           chunk: int = 8192, around_decode=contextlib.nullcontext,
+           compile: bool = False, chunk: int = 8192, around_decode=contextlib.nullcontext,
            host_profile: cProfile.Profile | None = None, after_step=None) -> dict:
     """`around_decode`: a context manager (factory) the decode phase runs in, after the prefills;
     `host_profile`: profiles the engine's steps (its own thread) during the decode phase;
@@ -75,7 +79,7 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
     from rl.rollout.native_engine import NativeEngine
 
     engine = NativeEngine(model, max_slots=seqs, cache_tokens=seqs * (prompt + new + 64), max_batch_tokens=chunk,
-                          record_routing=False, decode_graphs=graphs, overlap=overlap)
+                          record_routing=False, decode_graphs=graphs, overlap=overlap, compile_decode=compile)
     engine.version = 0
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, vocab, (prompt,), generator=gen).tolist() for _ in range(seqs)]
@@ -124,12 +128,13 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
 
     with host_phases(engine) as phases, gpu_timeline(engine) as timeline:
         wall_s = asyncio.run(run())
-    # graphs are captured once per shape per engine (here, in the decode phase's first steps): the
-    # steady rate leaves that time out, which a run's thousands of steps amortise
+    # graphs are captured once per shape per engine (here, in the decode phase's first steps; compiling
+    # the step, when compiled, is part of it): the steady rate leaves that time out, which a run's
+    # thousands of steps amortise
     capture_s = engine.stats().extra.get("graph_capture_s", 0.0)
     decode_s = wall_s - capture_s
     replay_ms = replay_alone_ms(engine) if graphs else None
-    return {"sequences": seqs, "graphs": graphs, "overlap": overlap, "decode_s": decode_s, "capture_s": capture_s, "decode_tok_s": seqs * new / decode_s,
+    return {"sequences": seqs, "graphs": graphs, "overlap": overlap, "compiled": compile, "decode_s": decode_s, "capture_s": capture_s, "decode_tok_s": seqs * new / decode_s,
             "step_ms": decode_s / new * 1e3, "replay_ms": replay_ms,
             "graphs_captured": engine.stats().extra.get("graphs_captured", 0.0),
             "host_ms": {k: v / new * 1e3 for k, v in phases.items()}, "gpu_ms": timeline,
@@ -268,8 +273,8 @@ def replay_alone_ms(engine, repeats: int = 20) -> dict | None:
             "single": min(singles) * 1e3}
 
 
-def trace_decode(model, seqs: int, prompt: int, new: int, vocab: int, path: str) -> str:
-    """A few overlapped graph decode steps under torch.profiler (every thread), written as a Chrome
+def trace_decode(model, seqs: int, prompt: int, new: int, vocab: int, path: str, compile: bool = False) -> str:
+    """A few overlapped graph decode steps (`compile`: of the compiled step) under torch.profiler (every thread), written as a Chrome
     trace to `path`, and summed up: per cudaGraphLaunch, how long the host call took, how long after
     it started the graph's first kernel ran, and the graph's span on the GPU."""
     from torch._C._profiler import _ExperimentalConfig
@@ -290,7 +295,7 @@ def trace_decode(model, seqs: int, prompt: int, new: int, vocab: int, path: str)
             prof.stop()
             prof.export_chrome_trace(path)
 
-    decode(model, seqs, prompt, new, vocab, graphs=True, overlap=True, after_step=after_step)
+    decode(model, seqs, prompt, new, vocab, graphs=True, overlap=True, compile=compile, after_step=after_step)
     events = json.load(open(path))["traceEvents"]
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})}
@@ -401,6 +406,15 @@ def long_context(model, tokens: int, new: int, chunk: int, vocab: int) -> dict:
             "cache_gib": engine.cache.nbytes / 2**30}
 
 
+def _divergence(a: list[list[int]], b: list[list[int]]) -> str:
+    """Where the sequences that differ first differ (bf16 greedy decoding of random weights drifts
+    apart after some tokens when two paths round differently; a broken path differs at once)."""
+    firsts = sorted(next(i for i, (x, y) in enumerate(zip(s, t)) if x != y) for s, t in zip(a, b) if s != t)
+    if not firsts:
+        return ""
+    return f"; the others first differ at token {firsts[0]} (earliest), {firsts[len(firsts) // 2]} (median)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="small")
@@ -409,25 +423,28 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--long-context", type=int, default=0, help="then one sequence with this many prompt tokens")
     parser.add_argument("--chunk", type=int, default=8192, help="prefill tokens per forward")
-    parser.add_argument("--repeat-eager", action="store_true", help="a second eager run, to compare tokens with")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                        help="the decode modes to run, each size; the first is the one the others are compared with")
+    parser.add_argument("--repeat-first", action="store_true", help="a second run of the first mode, to compare tokens with")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (graphs run eagerly)")
     parser.add_argument("--dtype", default="bfloat16", help="float32: graph and eager tokens compared at full precision")
     parser.add_argument("--profile", action="store_true",
                         help="then a profiled eager decode (GPU time by module and op) and graph decode (host time)")
-    parser.add_argument("--trace", default=None, help="then a Chrome trace of 8 overlapped graph decode steps, written here")
+    parser.add_argument("--trace", default=None, help="then a Chrome trace of 8 overlapped graph decode steps (of "
+                        "the compiled step among --modes), written here")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model = build(args.preset, args.device, getattr(torch, args.dtype))
     vocab = model.config.vocab_size
     log(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {args.dtype}")
-    modes = {"eager": (False, False), "CUDA graphs": (True, False), "graphs + overlap": (True, True)}
-    for graphs, overlap in modes.values():  # warm-up: first launches, allocator
-        decode(model, 4, 16, 8, vocab, graphs, overlap)
+    modes = {name: MODES[name] for name in args.modes}
+    for graphs, overlap, compile in modes.values():  # warm-up: first launches, allocator, compiling
+        decode(model, 4, 16, 8, vocab, graphs, overlap, compile)
     results = {"args": vars(args), "rows": []}
     for n in args.seqs:
         runs = {}
-        for mode, (graphs, overlap) in modes.items():
-            row = decode(model, n, args.prompt, args.new, vocab, graphs, overlap)
+        for mode, (graphs, overlap, compile) in modes.items():
+            row = decode(model, n, args.prompt, args.new, vocab, graphs, overlap, compile)
             row["bound_tok_s"] = bound_tok_s(model, n, args.prompt + args.new // 2)
             row["fraction_of_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
             runs[mode] = row
@@ -443,19 +460,19 @@ def main() -> None:
                 + (f"; CAPTURE FAILED: {row['capture_error']}" if row["capture_error"] else ""))
         # bf16 kernels with atomics (the MoE combine's index_add_) are not bitwise repeatable: a second eager
         # run says how often greedy decoding of random weights diverges between two runs of the same path
-        again = decode(model, n, args.prompt, args.new, vocab, False)["tokens"] if args.repeat_eager else None
+        again = decode(model, n, args.prompt, args.new, vocab, *modes[next(iter(modes))])["tokens"] if args.repeat_first else None
         tokens = {mode: row.pop("tokens") for mode, row in runs.items()}
-        same = {mode: sum(a == b for a, b in zip(tokens["eager"], t)) for mode, t in tokens.items()}
-        same_overlap = sum(a == b for a, b in zip(tokens["CUDA graphs"], tokens["graphs + overlap"]))
+        first = next(iter(runs))  # the rates and tokens of the others are given beside the first mode's
+        same = {mode: sum(a == b for a, b in zip(tokens[first], t)) for mode, t in tokens.items()}
         for mode, row in runs.items():
-            row["same_tokens_as_eager"] = same[mode] / n
+            row[f"same_tokens_as_{first}"] = same[mode] / n
         results["rows"] += list(runs.values())
-        eager_rate = runs["eager"]["decode_tok_s"]
-        log(f"{n} sequences: CUDA graphs / eager = {runs['CUDA graphs']['decode_tok_s'] / eager_rate:.2f}x, "
-            f"with overlap {runs['graphs + overlap']['decode_tok_s'] / eager_rate:.2f}x; greedy tokens as eager's "
-            f"for {same['CUDA graphs']} (graphs) and {same['graphs + overlap']} (overlap) of {n} sequences, "
-            f"overlap as graphs' for {same_overlap}"
-            + (f" (eager vs eager again: {sum(a == b for a, b in zip(tokens['eager'], again))} of {n})"
+        base = runs[first]["decode_tok_s"]
+        log(f"{n} sequences, beside {first}: "
+            + ", ".join(f"{mode} {row['decode_tok_s'] / base:.2f}x (greedy tokens the same for {same[mode]} of {n}"
+                        + _divergence(tokens[first], tokens[mode]) + ")"
+                        for mode, row in runs.items() if mode != first)
+            + (f"; {first} again: the same for {sum(a == b for a, b in zip(tokens[first], again))} of {n}"
                if again else ""))
         write_json(results, args.json)
     if args.profile:
@@ -465,8 +482,9 @@ def main() -> None:
         log(f"host profile of a CUDA-graph decode at {args.seqs[0]} sequences:\n"
             + profile_host(model, args.seqs[0], args.prompt, args.new, vocab))
     if args.trace:
-        log(f"trace of an overlapped graph decode at {args.seqs[0]} sequences ({args.trace}): "
-            + trace_decode(model, args.seqs[0], args.prompt, 16, vocab, args.trace))
+        compiled = "compiled" in modes
+        log(f"trace of an overlapped graph decode{' (compiled)' if compiled else ''} at {args.seqs[0]} sequences "
+            f"({args.trace}): " + trace_decode(model, args.seqs[0], args.prompt, 16, vocab, args.trace, compiled))
     if args.long_context:
         row = long_context(model, args.long_context, args.new, args.chunk, vocab)
         results["long_context"] = row

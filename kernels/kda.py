@@ -287,7 +287,9 @@ def _load_fla_in_place() -> Callable | None:
         try:
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # type: ignore
 
-            _FLA_IN_PLACE = fused_recurrent_kda_fwd
+            # left out of a torch.compile'd step (the decode graphs'): a Triton launcher with its own
+            # heuristics that writes the states in place, which dynamo would trace or break on
+            _FLA_IN_PLACE = torch.compiler.disable(fused_recurrent_kda_fwd)
         except Exception:
             _FLA_IN_PLACE = False
     return _FLA_IN_PLACE or None

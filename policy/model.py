@@ -6,7 +6,6 @@ model.output_attn_res_{norm,proj}. checkpoint.py adds the `language_model.` pref
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -209,7 +208,7 @@ class HybridForCausalLM(nn.Module):
             raise ValueError("forward: token_mask takes logits_to_keep 0 or 1 (each row's last real token)")
 
         dt = self.model.embed_tokens.weight.dtype  # sublayers run in the model dtype
-        stream = _Residual(self.model.embed_tokens(input_ids), cfg)
+        stream = _Residual.start(self.model.embed_tokens(input_ids), cfg)
         recompute = (self.gradient_checkpointing and self.training and torch.is_grad_enabled()
                      and cache is None and not use_cache)
         new_layers: list[Any] = []
@@ -347,17 +346,21 @@ class _Residual:
     all float32; a layer with layer_idx % block_size == 0 closes the running partial into a block.
     Each sublayer input is a learned softmax mix of the sources (layers/attnres.py)."""
 
-    def __init__(self, x: torch.Tensor, cfg: ModelConfig) -> None:
-        self.on, self.block, self.eps = cfg.attn_res, cfg.attn_res_block_size, cfg.rms_norm_eps
-        self.h = x
-        self.blocks: list[torch.Tensor] = [x.float()]
-        self.partial: torch.Tensor | None = None
+    def __init__(self, on: bool, block: int, eps: float, h: torch.Tensor, blocks: list[torch.Tensor],
+                 partial: torch.Tensor | None) -> None:
+        self.on, self.block, self.eps = on, block, eps
+        self.h, self.blocks, self.partial = h, blocks, partial
+
+    @classmethod
+    def start(cls, x: torch.Tensor, cfg: ModelConfig) -> "_Residual":
+        """The stream at the embedding x (plain sums keep no AttnRes sources)."""
+        return cls(cfg.attn_res, cfg.attn_res_block_size, cfg.rms_norm_eps, x, [x.float()] if cfg.attn_res else [], None)
 
     def copy(self) -> "_Residual":
-        """The same tensors in new containers: updating the copy leaves this one as it is."""
-        other = copy.copy(self)
-        other.blocks = list(self.blocks)
-        return other
+        """The same tensors in new containers: updating the copy leaves this one as it is. (Built
+        field by field, not with copy.copy, which torch.compile cannot trace: a compiled decode step
+        would fall back to eager for every layer.)"""
+        return _Residual(self.on, self.block, self.eps, self.h, list(self.blocks), self.partial)
 
     def _sources(self) -> list[torch.Tensor]:
         return self.blocks if self.partial is None else self.blocks + [self.partial]

@@ -179,8 +179,10 @@ def _grouped_mm_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
 
 def _aligned(w: torch.Tensor) -> torch.Tensor:
     """w, or a copy of it when its storage is not 16-byte aligned (grouped GEMM's rule): DeepSpeed's
-    bf16 mode keeps parameters as views into one flat buffer. The copy passes gradients through."""
-    return w if w.data_ptr() % 16 == 0 else w.clone()
+    bf16 mode keeps parameters as views into one flat buffer. The copy passes gradients through.
+    (Read from the storage offset, the allocator's blocks being aligned: torch.compile can trace it,
+    not data_ptr.)"""
+    return w if w.storage_offset() * w.element_size() % 16 == 0 else w.clone()
 
 
 class LatentMoE(nn.Module):

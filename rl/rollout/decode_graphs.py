@@ -18,9 +18,11 @@ copy into the weights in place, so the graphs follow them; a cache released and 
 (colocated runs) has new tensors, so its graphs are dropped and captured again.
 
 Without CUDA (or with graphs off) the same fixed-shape step runs eagerly, which is how it is tested
-against the engine's variable-shape forward on a CPU. On a CPU it can also be compiled
-(`compile=True`: torch.compile, inductor's C++ kernels fusing the small elementwise ops that bound a
-decode step there; the experts' per-expert loop stays eager)."""
+against the engine's variable-shape forward on a CPU. The step can also be compiled (`compile=True`:
+torch.compile). On a CPU inductor's C++ kernels fuse the small elementwise ops that bound a decode
+step there (the experts' per-expert loop stays eager); on a GPU a graph already removes the
+launches, but each of a step's ~300 kernels still takes a few microseconds of GPU time, most of them
+elementwise chains that inductor's Triton kernels fuse: the compiled step is what gets captured."""
 from __future__ import annotations
 
 import contextlib
@@ -82,8 +84,6 @@ class DecodeGraphs:
         self.fed_back = fed_back
         self.device = cache.device
         self.use_graphs = use_graphs and self.device.type == "cuda"
-        if compile and self.device.type != "cpu":
-            raise ValueError("DecodeGraphs: compile is for a CPU engine (on a GPU the CUDA graphs remove the launches)")
         # automatic dynamic shapes: one recompile makes batch and key length symbolic, not one per bucket
         self._step_fn = torch.compile(self._forward, dynamic=None) if compile else self._forward
         self._buffers: dict[tuple[int, int], _Buffers] = {}
@@ -108,7 +108,7 @@ class DecodeGraphs:
         if self.use_graphs:
             self._replay(shape, buf)
         else:
-            self._step_fn(buf)
+            self._run(buf)
         self.cache.advance(slots, [1] * n)
         return buf.logits[:n], None if buf.routing is None else buf.routing[:n]
 
@@ -143,6 +143,11 @@ class DecodeGraphs:
             buf.sent.record()
 
     # ---- the step ----------------------------------------------------------------------------
+    def _run(self, buf: _Buffers) -> None:
+        # on a GPU, experts without a grouped GEMM (float32) run at a fixed capacity: capturable
+        with fixed_capacity_experts() if self.use_graphs else contextlib.nullcontext():
+            self._step_fn(buf)
+
     def _forward(self, buf: _Buffers) -> None:
         col = buf.column
         slots = col("slots")[:, 0]
@@ -150,10 +155,7 @@ class DecodeGraphs:
                                   col("new_valid") != 0, col("lengths")[:, 0])
         source = col("source")
         ids = torch.where(source >= 0, self.fed_back[source.clamp(min=0)], col("ids"))
-        # on a GPU, experts without a grouped GEMM (float32) run at a fixed capacity: capturable
-        with fixed_capacity_experts() if self.use_graphs else contextlib.nullcontext():
-            out = self.model(ids, cache=view, use_cache=True, logits_to_keep=1,
-                             return_routing=self.record_routing)
+        out = self.model(ids, cache=view, use_cache=True, logits_to_keep=1, return_routing=self.record_routing)
         self.cache.write_states(slots, out.cache)
         # the forward's own outputs, not copies: inside a graph they keep their addresses at every replay
         buf.logits = out.logits[:, -1]
@@ -171,10 +173,11 @@ class DecodeGraphs:
                 graph = self._capture(buf)
             except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: decode eagerly instead
                 self.use_graphs = False
+                self._step_fn = self._forward  # uncompiled too: the failure may be the compiler's
                 self.capture_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 warnings.warn(f"native engine: CUDA graph capture failed ({self.capture_error}); decoding eagerly",
                               RuntimeWarning, stacklevel=2)
-                self._forward(buf)
+                self._run(buf)
                 return
             self._graphs[shape] = graph
         graph.replay()
@@ -196,12 +199,12 @@ class DecodeGraphs:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(buf)
+                for _ in range(2):  # (compiling the step, when compiled, in the first)
+                    self._run(buf)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(buf)
+                self._run(buf)
         finally:
             buf.packed.copy_(real)
         torch.cuda.synchronize(self.device)

@@ -51,8 +51,8 @@ def test_overrides_are_typed(tmp_path):
          "rollout.gpu_memory_fraction (0.5) sizes the cache when neither cache_tokens nor cache_gib is given"),
         (["rollout.gpu_memory_fraction=0.5"], "rollout.gpu_memory_fraction=0.5 sizes a GPU's cache, but the "
                                               "rollout workers run on CPU: give rollout.cache_tokens or cache_gib"),
-        (["rollout.compile_decode=true", "resources.rollout_gpus=1"],
-         "rollout.compile_decode compiles a CPU engine's decode step; on a GPU the CUDA graphs"),
+        (["rollout.compile_decode=true", "rollout.engine=transformers", "model.hf_path=/m", "rollout.record_routing=false"],
+         "rollout.compile_decode is the native engine's; rollout.engine is transformers"),
         (["resources.learner_ranks=3", "train.expert_parallel=2", "train.zero_stage=1"],
          "train.expert_parallel=2 must divide the learner's ranks (resources.learner_ranks / learner_gpus: 3)"),
         (["resources.learner_ranks=2", "train.expert_parallel=2"],
