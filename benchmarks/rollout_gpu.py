@@ -4,10 +4,12 @@
     python3 benchmarks/rollout_gpu.py --preset kimi-linear-4l --seqs 64 --json $OUT/rollout_gpu.json
     python3 benchmarks/rollout_gpu.py --preset small --seqs 64 --long-context 131072
 
-Each size runs four times in one process (`--modes` picks), eager decode beside the CUDA-graph decode
-(rl/rollout/decode_graphs.py), the graphs with overlapped steps (each launched before the last
-one's tokens are read back: the engine's default on a GPU), and those with the captured step
-compiled by torch.compile (`rollout.compile_decode`), the same sequences and tokens. `--long-context N` then prefills one
+Each size runs in several modes in one process (`--modes` picks), eager decode beside the CUDA-graph
+decode (rl/rollout/decode_graphs.py), the graphs with overlapped steps (each launched before the
+last one's tokens are read back: the engine's default on a GPU), those with the captured step
+compiled by torch.compile (`rollout.compile_decode`), and that with the routed experts on CUTLASS's
+grouped GEMM instead of the small-M kernels (kernels/grouped_experts.py), the same sequences and
+tokens. `--long-context N` then prefills one
 N-token prompt (in chunks of --chunk tokens) and decodes from it: time, decode rate, peak memory.
 
 `kimi-linear-4l`: Kimi-Linear-48B layer shapes cut to 4 layers (3 KDA + 1 MLA) and 64 experts.
@@ -38,9 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_common import log, write_json  # noqa: E402
 
 BANDWIDTH = 4.3e12
-# (CUDA graphs, overlapped steps, the step compiled): each mode of decoding a size runs
-MODES = {"eager": (False, False, False), "CUDA graphs": (True, False, False), "graphs + overlap": (True, True, False),
-         "compiled": (True, True, True)}
+# (CUDA graphs, overlapped steps, the step compiled, decode batches' experts on the small-M kernels):
+# each mode of decoding a size runs
+MODES = {"eager": (False, False, False, True), "CUDA graphs": (True, False, False, True),
+         "graphs + overlap": (True, True, False, True), "compiled": (True, True, True, True),
+         "compiled, grouped GEMM": (True, True, True, False)}
 
 
 def sync() -> None:
@@ -70,9 +74,10 @@ def bound_tok_s(model, seqs: int, context: int) -> float:
 
 
 def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, overlap: bool = False,
-           compile: bool = False, chunk: int = 8192, around_decode=contextlib.nullcontext,
+           compile: bool = False, small_m: bool = True, chunk: int = 8192, around_decode=contextlib.nullcontext,
            host_profile: cProfile.Profile | None = None, after_step=None) -> dict:
-    """`around_decode`: a context manager (factory) the decode phase runs in, after the prefills;
+    """`small_m`: a decode batch's routed experts on the small-M Triton kernels (else CUTLASS's grouped
+    GEMM, as a prefill's); `around_decode`: a context manager (factory) the decode phase runs in, after the prefills;
     `host_profile`: profiles the engine's steps (its own thread) during the decode phase;
     `after_step`: called after each of the engine's steps of the decode phase."""
     from rl.rollout.engine_api import SamplingParams
@@ -126,15 +131,22 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
             sync()
         return time.perf_counter() - started
 
-    with host_phases(engine) as phases, gpu_timeline(engine) as timeline:
-        wall_s = asyncio.run(run())
+    from policy.layers import moe
+
+    small_m_before, moe._SMALL_M = moe._SMALL_M, small_m
+    try:
+        with host_phases(engine) as phases, gpu_timeline(engine) as timeline:
+            wall_s = asyncio.run(run())
+    finally:
+        moe._SMALL_M = small_m_before
     # graphs are captured once per shape per engine (here, in the decode phase's first steps; compiling
     # the step, when compiled, is part of it): the steady rate leaves that time out, which a run's
     # thousands of steps amortise
     capture_s = engine.stats().extra.get("graph_capture_s", 0.0)
     decode_s = wall_s - capture_s
     replay_ms = replay_alone_ms(engine) if graphs else None
-    return {"sequences": seqs, "graphs": graphs, "overlap": overlap, "compiled": compile, "decode_s": decode_s, "capture_s": capture_s, "decode_tok_s": seqs * new / decode_s,
+    return {"sequences": seqs, "graphs": graphs, "overlap": overlap, "compiled": compile, "small_m": small_m,
+            "decode_s": decode_s, "capture_s": capture_s, "decode_tok_s": seqs * new / decode_s,
             "step_ms": decode_s / new * 1e3, "replay_ms": replay_ms,
             "graphs_captured": engine.stats().extra.get("graphs_captured", 0.0),
             "host_ms": {k: v / new * 1e3 for k, v in phases.items()}, "gpu_ms": timeline,
@@ -438,13 +450,13 @@ def main() -> None:
     vocab = model.config.vocab_size
     log(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {args.dtype}")
     modes = {name: MODES[name] for name in args.modes}
-    for graphs, overlap, compile in modes.values():  # warm-up: first launches, allocator, compiling
-        decode(model, 4, 16, 8, vocab, graphs, overlap, compile)
+    for mode in modes.values():  # warm-up: first launches, allocator, compiling
+        decode(model, 4, 16, 8, vocab, *mode)
     results = {"args": vars(args), "rows": []}
     for n in args.seqs:
         runs = {}
-        for mode, (graphs, overlap, compile) in modes.items():
-            row = decode(model, n, args.prompt, args.new, vocab, graphs, overlap, compile)
+        for mode, flags in modes.items():
+            row = decode(model, n, args.prompt, args.new, vocab, *flags)
             row["bound_tok_s"] = bound_tok_s(model, n, args.prompt + args.new // 2)
             row["fraction_of_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
             runs[mode] = row

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.grouped_experts import experts_small_m, experts_small_m_available, small_m_block
+
 from ..config import ModelConfig
 from ._ops import glu
 from .moe_parallel import expert_parallel
@@ -37,6 +39,8 @@ from .norms import RMSNorm
 _QUANTILE_EMA = 0.5
 # KIMI_MOE_GROUPED_MM=0 turns the grouped GEMM off (benchmarks time the per-expert loop with it)
 _GROUPED_MM = os.environ.get("KIMI_MOE_GROUPED_MM", "1") != "0"
+# KIMI_MOE_SMALL_M=0 keeps decode batches on the grouped GEMM too (benchmarks compare the two)
+_SMALL_M = os.environ.get("KIMI_MOE_SMALL_M", "1") != "0"
 
 
 class GatedMLP(nn.Module):
@@ -95,6 +99,11 @@ class StackedExperts(nn.Module):
         that many rows go to one expert: the tokens, each routed to an expert once; default M)."""
         if _grouped_mm_usable(zs, self.w1):
             offs = counts.cumsum(0).to(torch.int32)
+            block_m = _small_m_block(zs, self.w1)
+            if block_m is not None:  # a decode batch: the fused small-M kernels (kernels/grouped_experts.py)
+                act, gate_cap, up_cap = self.act
+                return experts_small_m(zs, torch.cat([offs.new_zeros(1), offs]), self.w1, self.w3, self.w2, block_m,
+                                       act, float(gate_cap), float(up_cap))
             w1, w2, w3 = (_aligned(w) for w in (self.w1, self.w2, self.w3))
             gate = torch._grouped_mm(zs, w1.transpose(-2, -1), offs=offs)
             up = torch._grouped_mm(zs, w3.transpose(-2, -1), offs=offs)
@@ -175,6 +184,17 @@ def _grouped_mm_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
     """torch._grouped_mm: CUDA (sm90+), bf16, dims a multiple of 16 (its alignment rule)."""
     return (_GROUPED_MM and a.is_cuda and a.dtype == w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(a.device)[0] >= 9 and all(d % 16 == 0 for d in w.shape[1:]))
+
+
+def _small_m_block(zs: torch.Tensor, w: torch.Tensor) -> int | None:
+    """The row block of the small-M expert kernels for these rows, or None where they do not apply:
+    turned off (KIMI_MOE_SMALL_M=0), without Triton, when a gradient is wanted (they have no
+    backward), or past a few dozen rows per expert (prefill, where CUTLASS's grouped GEMM wins)."""
+    if not _SMALL_M or not experts_small_m_available(zs):
+        return None
+    if torch.is_grad_enabled() and (zs.requires_grad or w.requires_grad):
+        return None
+    return small_m_block(zs.shape[0], w.shape[0])
 
 
 def _aligned(w: torch.Tensor) -> torch.Tensor:
