@@ -189,7 +189,8 @@ def _grouped_mm_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
 def _small_m_block(zs: torch.Tensor, w: torch.Tensor) -> int | None:
     """The row block of the small-M expert kernels for these rows, or None where they do not apply:
     turned off (KIMI_MOE_SMALL_M=0), without Triton, when a gradient is wanted (they have no
-    backward), or past a few dozen rows per expert (prefill, where CUTLASS's grouped GEMM wins)."""
+    backward), or past 16 rows per expert on average (256-sequence batches, prefill: there CUTLASS's
+    grouped GEMM wins)."""
     if not _SMALL_M or not experts_small_m_available(zs):
         return None
     if torch.is_grad_enabled() and (zs.requires_grad or w.requires_grad):

@@ -98,8 +98,8 @@ class NativeEngine(RolloutEngine):
                  name: str = "native", decode_graphs: bool | None = None, compile_decode: bool = False,
                  decode_feed_tokens: int = 0, overlap: bool | None = None) -> None:
         """decode_graphs: decode at fixed shapes replayed as CUDA graphs; None means on a GPU. True on a
-        CPU runs the fixed-shape step eagerly (what the graphs replay, for tests). compile_decode (CPU):
-        that fixed-shape step compiled with torch.compile. decode_feed_tokens: inputs of at most this
+        CPU runs the fixed-shape step eagerly (what the graphs replay, for tests). compile_decode: that
+        fixed-shape step compiled with torch.compile (on a GPU, what the graphs capture). decode_feed_tokens: inputs of at most this
         many tokens (tool results, short prompts) are fed one token a step inside the decode batch
         instead of by a prefill forward of their own: meant for CUDA graphs, where a replayed step
         costs less than an eager prefill's launches and the other sequences keep decoding meanwhile
