@@ -32,6 +32,7 @@ import pstats
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -40,11 +41,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_common import log, write_json  # noqa: E402
 
 BANDWIDTH = 4.3e12
-# (CUDA graphs, overlapped steps, the step compiled, decode batches' experts on the small-M kernels):
-# each mode of decoding a size runs
-MODES = {"eager": (False, False, False, True), "CUDA graphs": (True, False, False, True),
-         "graphs + overlap": (True, True, False, True), "compiled": (True, True, True, True),
-         "compiled, grouped GEMM": (True, True, True, False)}
+
+
+class Mode(NamedTuple):
+    """How a size is decoded: `decode`'s switches, in its argument order."""
+    graphs: bool
+    overlap: bool
+    compile: bool
+    small_m: bool  # decode batches' experts on the small-M kernels (else CUTLASS's grouped GEMM)
+
+
+MODES = {"eager": Mode(False, False, False, True), "CUDA graphs": Mode(True, False, False, True),
+         "graphs + overlap": Mode(True, True, False, True), "compiled": Mode(True, True, True, True),
+         "compiled, grouped GEMM": Mode(True, True, True, False)}
 
 
 def sync() -> None:
@@ -77,7 +86,8 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
            compile: bool = False, small_m: bool = True, chunk: int = 8192, around_decode=contextlib.nullcontext,
            host_profile: cProfile.Profile | None = None, after_step=None) -> dict:
     """`small_m`: a decode batch's routed experts on the small-M Triton kernels (else CUTLASS's grouped
-    GEMM, as a prefill's); `around_decode`: a context manager (factory) the decode phase runs in, after the prefills;
+    GEMM, as a prefill's); `around_decode`: a context manager (factory) the decode phase runs in,
+    after the prefills;
     `host_profile`: profiles the engine's steps (its own thread) during the decode phase;
     `after_step`: called after each of the engine's steps of the decode phase."""
     from rl.rollout.engine_api import SamplingParams
@@ -286,8 +296,8 @@ def replay_alone_ms(engine, repeats: int = 20) -> dict | None:
 
 
 def trace_decode(model, seqs: int, prompt: int, new: int, vocab: int, path: str, compile: bool = False) -> str:
-    """A few overlapped graph decode steps (`compile`: of the compiled step) under torch.profiler (every thread), written as a Chrome
-    trace to `path`, and summed up: per cudaGraphLaunch, how long the host call took, how long after
+    """A few overlapped graph decode steps (`compile`: of the compiled step) under torch.profiler
+    (every thread), written as a Chrome trace to `path`, and summed up: per cudaGraphLaunch, how long the host call took, how long after
     it started the graph's first kernel ran, and the graph's span on the GPU."""
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
@@ -437,7 +447,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8192, help="prefill tokens per forward")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         help="the decode modes to run, each size; the first is the one the others are compared with")
-    parser.add_argument("--repeat-first", action="store_true", help="a second run of the first mode, to compare tokens with")
+    parser.add_argument("--repeat-first", "--repeat-eager", dest="repeat_first", action="store_true",
+                        help="a second run of the first mode (eager by default), to compare tokens with")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (graphs run eagerly)")
     parser.add_argument("--dtype", default="bfloat16", help="float32: graph and eager tokens compared at full precision")
     parser.add_argument("--profile", action="store_true",
@@ -470,11 +481,11 @@ def main() -> None:
                 + ("; GPU ms/step: " + ", ".join(f"{k} {v:.2f}" for k, v in row["gpu_ms"].items())
                    if row["gpu_ms"] else "")
                 + (f"; CAPTURE FAILED: {row['capture_error']}" if row["capture_error"] else ""))
-        # bf16 kernels with atomics (the MoE combine's index_add_) are not bitwise repeatable: a second eager
-        # run says how often greedy decoding of random weights diverges between two runs of the same path
-        again = decode(model, n, args.prompt, args.new, vocab, *modes[next(iter(modes))])["tokens"] if args.repeat_first else None
-        tokens = {mode: row.pop("tokens") for mode, row in runs.items()}
         first = next(iter(runs))  # the rates and tokens of the others are given beside the first mode's
+        # bf16 kernels with atomics (the MoE combine's index_add_) are not bitwise repeatable: a second run
+        # of one mode says how often greedy decoding of random weights diverges between two runs of one path
+        again = decode(model, n, args.prompt, args.new, vocab, *modes[first])["tokens"] if args.repeat_first else None
+        tokens = {mode: row.pop("tokens") for mode, row in runs.items()}
         same = {mode: sum(a == b for a, b in zip(tokens[first], t)) for mode, t in tokens.items()}
         for mode, row in runs.items():
             row[f"same_tokens_as_{first}"] = same[mode] / n

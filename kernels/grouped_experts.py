@@ -30,25 +30,25 @@ except ImportError:  # CPU-only installs: the op is then never chosen (`experts_
 
 __all__ = ["experts_small_m", "experts_small_m_available", "small_m_block"]
 
-# mean rows per expert up to which the small-M kernels are chosen over CUTLASS's grouped GEMM: on the
-# H200 at the Kimi-Linear shape they took 0.71 ms a step for 3 layers' experts at 8 (CUTLASS 0.97),
-# and a step of 256 sequences (32 rows an expert, in 32-row blocks) was 0.12 ms slower than CUTLASS's
-SMALL_M_MAX_ROWS = 16
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
+
+# Rows a program takes at a time (tl.dot's least), and the mean rows per expert up to which the small-M
+# kernels are chosen over CUTLASS's grouped GEMM: on the H200 at the Kimi-Linear shape they took 0.71
+# ms a step for 3 layers' experts at 8 rows an expert (CUTLASS 0.97), and at 32 (256 sequences, in
+# 32-row blocks) they were 0.12 ms a step slower than CUTLASS
+SMALL_M_BLOCK = 16
 _ACTS = {"silu": 0, "situ": 1}
 
 
 def experts_small_m_available(z: torch.Tensor) -> bool:
     """Triton importable and z where its kernels run (a CUDA tensor, or any under the interpreter)."""
-    return triton is not None and (z.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and (z.is_cuda or _INTERPRETED)
 
 
 def small_m_block(rows: int, experts: int) -> int | None:
-    """The row block for `rows` token-expert pairs over `experts` experts (the mean per expert,
-    rounded up to a power of two from 16, tl.dot's least), or None past SMALL_M_MAX_ROWS."""
-    mean = -(-rows // experts)
-    if mean > SMALL_M_MAX_ROWS:
-        return None
-    return max(16, 1 << max(mean - 1, 0).bit_length())
+    """The row block for `rows` token-expert pairs over `experts` experts: SMALL_M_BLOCK while their
+    mean per expert fits in one, else None (CUTLASS's grouped GEMM)."""
+    return SMALL_M_BLOCK if rows <= SMALL_M_BLOCK * experts else None
 
 
 if triton is not None:

@@ -99,11 +99,12 @@ class NativeEngine(RolloutEngine):
                  decode_feed_tokens: int = 0, overlap: bool | None = None) -> None:
         """decode_graphs: decode at fixed shapes replayed as CUDA graphs; None means on a GPU. True on a
         CPU runs the fixed-shape step eagerly (what the graphs replay, for tests). compile_decode: that
-        fixed-shape step compiled with torch.compile (on a GPU, what the graphs capture). decode_feed_tokens: inputs of at most this
-        many tokens (tool results, short prompts) are fed one token a step inside the decode batch
-        instead of by a prefill forward of their own: meant for CUDA graphs, where a replayed step
-        costs less than an eager prefill's launches and the other sequences keep decoding meanwhile
-        (on a CPU it only adds steps); not yet measured on a GPU, so off by default. overlap: launch
+        fixed-shape step compiled with torch.compile (on a GPU, what the graphs capture).
+        decode_feed_tokens: inputs of at most this many tokens (tool results, short prompts) are fed
+        one token a step inside the decode batch instead of by a prefill forward of their own: meant
+        for CUDA graphs, where a replayed step costs less than an eager prefill's launches and the
+        other sequences keep decoding meanwhile (on a CPU it only adds steps); not yet measured on a
+        GPU, so off by default. overlap: launch
         each step before reading the last one's tokens back; None means on a GPU (on a CPU the
         steps run in order anyway: True there runs the same bookkeeping, for tests)."""
         self.model = model.eval()
