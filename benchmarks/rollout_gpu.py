@@ -19,7 +19,8 @@ tokens over the time after the last prefill, less the time spent capturing CUDA 
 shape per engine, in the first decode steps here; printed beside it, with the rate including it).
 The bound: every decode step reads all weights once
 (at 64+ sequences nearly every expert is routed to) plus each sequence's KDA state and MLA keys,
-at the H200's 4.3 TB/s copy bandwidth (KINDS.md)."""
+at the GPU's device-to-device copy rate, measured at the start (the H200's: 4.3 TB/s, KINDS.md;
+an H100's about 3.0; `--bandwidth` sets it)."""
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_common import log, write_json  # noqa: E402
 
-BANDWIDTH = 4.3e12
+BANDWIDTH = 4.3e12  # the H200's copy rate (KINDS.md): the bound's bandwidth where none is measured (CPU smoke runs)
 
 
 class Mode(NamedTuple):
@@ -73,13 +74,31 @@ def build(preset: str, device: str, dtype: torch.dtype):
     return params_to(model, dtype).eval()
 
 
-def bound_tok_s(model, seqs: int, context: int) -> float:
+def copy_bandwidth(device: str, nbytes: int = 2 << 30) -> float:
+    """This GPU's device-to-device copy rate in bytes/s, counting bytes read and written (KINDS.md's
+    measure: about 4.3e12 on an H200, 3.0e12 on an H100): the ceiling a memory-bound step can reach."""
+    if device != "cuda":
+        return BANDWIDTH
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def bound_tok_s(model, seqs: int, context: int, bandwidth: float = BANDWIDTH) -> float:
     from policy.slot_cache import SlotCache
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg, dtype = model.config, model.lm_head.weight.dtype
     state = seqs * (SlotCache.bytes_per_slot(cfg, dtype) + context * SlotCache.bytes_per_token(cfg, dtype))
-    return seqs * BANDWIDTH / (weights + state)
+    return seqs * bandwidth / (weights + state)
 
 
 def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, overlap: bool = False,
@@ -143,12 +162,12 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
 
     from policy.layers import moe
 
-    small_m_before, moe._SMALL_M = moe._SMALL_M, small_m
+    small_m_before = moe.set_small_m(small_m)
     try:
         with host_phases(engine) as phases, gpu_timeline(engine) as timeline:
             wall_s = asyncio.run(run())
     finally:
-        moe._SMALL_M = small_m_before
+        moe.set_small_m(small_m_before)
     # graphs are captured once per shape per engine (here, in the decode phase's first steps; compiling
     # the step, when compiled, is part of it): the steady rate leaves that time out, which a run's
     # thousands of steps amortise
@@ -455,20 +474,27 @@ def main() -> None:
                         help="then a profiled eager decode (GPU time by module and op) and graph decode (host time)")
     parser.add_argument("--trace", default=None, help="then a Chrome trace of 8 overlapped graph decode steps (of "
                         "the compiled step among --modes), written here")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="bytes/s for the bound (default: this GPU's copy rate, measured at the start)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model = build(args.preset, args.device, getattr(torch, args.dtype))
     vocab = model.config.vocab_size
-    log(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {args.dtype}")
+    bandwidth = args.bandwidth or copy_bandwidth(args.device)
+    card = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    log(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {args.dtype}; {card}, "
+        f"bound at {bandwidth / 1e12:.2f} TB/s ("
+        + ("given" if args.bandwidth else "its device-to-device copy, measured" if args.device == "cuda"
+           else "the H200's copy rate, not measured on a CPU") + ")")
     modes = {name: MODES[name] for name in args.modes}
     for mode in modes.values():  # warm-up: first launches, allocator, compiling
         decode(model, 4, 16, 8, vocab, *mode)
-    results = {"args": vars(args), "rows": []}
+    results = {"args": vars(args), "card": card, "bandwidth": bandwidth, "rows": []}
     for n in args.seqs:
         runs = {}
         for mode, flags in modes.items():
             row = decode(model, n, args.prompt, args.new, vocab, *flags)
-            row["bound_tok_s"] = bound_tok_s(model, n, args.prompt + args.new // 2)
+            row["bound_tok_s"] = bound_tok_s(model, n, args.prompt + args.new // 2, bandwidth)
             row["fraction_of_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
             runs[mode] = row
             log(f"{n} sequences, {mode}: decode {row['decode_tok_s']:.0f} tok/s, "

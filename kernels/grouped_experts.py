@@ -19,6 +19,7 @@ on CPU tensors: how it is tested without a GPU)."""
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -28,15 +29,17 @@ try:
 except ImportError:  # CPU-only installs: the op is then never chosen (`experts_small_m_available`)
     triton = None
 
-__all__ = ["experts_small_m", "experts_small_m_available", "small_m_block"]
+__all__ = ["LaunchConfig", "experts_small_m", "experts_small_m_available", "project", "small_m_block"]
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
 
-# Rows a program takes at a time (tl.dot's least), and the mean rows per expert up to which the small-M
-# kernels are chosen over CUTLASS's grouped GEMM: on the H200 at the Kimi-Linear shape they took 0.71
-# ms a step for 3 layers' experts at 8 rows an expert (CUTLASS 0.97), and at 32 (256 sequences, in
-# 32-row blocks) they were 0.12 ms a step slower than CUTLASS
-SMALL_M_BLOCK = 16
+# The row blocks a program can take at a time (16: tl.dot's least). A block is chosen to hold the
+# busiest expert's rows in one pass (each further pass reads that expert's weights again): under
+# random routing the busiest of E experts gets about mean + 3 sqrt(mean) rows. On the H200 at the
+# Kimi-Linear shape (benchmarks/grouped_experts_gpu.py) that took 0.241 ms a layer at 64 sequences
+# (mean 8, busiest 18; 32-row blocks) where CUTLASS's grouped GEMM took 0.352, and 0.265 ms at 256
+# (mean 32, busiest 48; 64-row blocks) where CUTLASS took 0.347, with 32-row blocks there 0.355
+ROW_BLOCKS = (16, 32, 64)
 _ACTS = {"silu": 0, "situ": 1}
 
 
@@ -46,9 +49,12 @@ def experts_small_m_available(z: torch.Tensor) -> bool:
 
 
 def small_m_block(rows: int, experts: int) -> int | None:
-    """The row block for `rows` token-expert pairs over `experts` experts: SMALL_M_BLOCK while their
-    mean per expert fits in one, else None (CUTLASS's grouped GEMM)."""
-    return SMALL_M_BLOCK if rows <= SMALL_M_BLOCK * experts else None
+    """The row block for `rows` token-expert pairs over `experts` experts: the least of ROW_BLOCKS
+    that holds the busiest expert's rows as random routing would spread them, else None (past
+    that, CUTLASS's grouped GEMM)."""
+    mean = rows / experts
+    busiest = mean + 3 * mean**0.5
+    return next((block for block in ROW_BLOCKS if block >= busiest), None)
 
 
 if triton is not None:
@@ -94,17 +100,39 @@ if triton is not None:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _launch(z: torch.Tensor, w: torch.Tensor, w_up: torch.Tensor | None, offs: torch.Tensor, block_m: int,
-            act: str, gate_cap: float, up_cap: float) -> torch.Tensor:
+class LaunchConfig(NamedTuple):
+    """A kernel launch's tile and pipeline: output columns and reduction width per step of a
+    program, warps, and software-pipelining stages."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Per projection (gate and up with the GLU; down) and row block, the fastest benchmarks/grouped_experts_gpu.py
+# found on the H200 at the Kimi-Linear shape (d 2304, I 1024, 64 experts): 16- and 32-row blocks at
+# 64 sequences, 64-row blocks at 256
+GLU_CONFIGS = {16: LaunchConfig(32, 128, 4, 5), 32: LaunchConfig(64, 128, 4, 3), 64: LaunchConfig(32, 64, 4, 3)}
+DOWN_CONFIGS = {16: LaunchConfig(32, 256, 4, 3), 32: LaunchConfig(64, 128, 4, 3), 64: LaunchConfig(128, 128, 4, 4)}
+_FALLBACK_CONFIG = LaunchConfig(64, 128, 4, 4)
+
+
+def project(z: torch.Tensor, w: torch.Tensor, w_up: torch.Tensor | None, offs: torch.Tensor, block_m: int,
+            act: str = "silu", gate_cap: float = 0.0, up_cap: float = 0.0,
+            config: LaunchConfig | None = None) -> torch.Tensor:
+    """One grouped projection: z [M, K] sorted by expert (offs [E+1] int32) times w [E, N, K] -> [M, N];
+    with w_up, the GLU act(z w.T) * (z w_up.T). `config` defaults to the table's for `block_m`."""
     E, N, K = w.shape
+    if config is None:
+        config = (GLU_CONFIGS if w_up is not None else DOWN_CONFIGS).get(block_m, _FALLBACK_CONFIG)
     out = z.new_empty(z.shape[0], N)
     if z.shape[0] == 0:
         return out
-    block_n, block_k = 64, 128
-    grid = (E, triton.cdiv(N, block_n))
+    grid = (E, triton.cdiv(N, config.block_n))
     _grouped_kernel[grid](z, w, w if w_up is None else w_up, out, offs, N, K, z.stride(0), w.stride(0), w.stride(1),
                           out.stride(0), gate_cap, up_cap, GLU=w_up is not None, ACT=_ACTS[act],
-                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
+                          BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                          num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
@@ -116,8 +144,8 @@ def experts_small_m(zs: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: 
     if act not in _ACTS:
         raise ValueError(f"experts_small_m: act must be one of {sorted(_ACTS)}, got {act!r}")
     zs, w1, w3, w2 = (t.contiguous() for t in (zs, w1, w3, w2))
-    h = _launch(zs, w1, w3, offs, block_m, act, gate_cap, up_cap)
-    return _launch(h, w2, None, offs, block_m, act, gate_cap, up_cap)
+    h = project(zs, w1, w3, offs, block_m, act, gate_cap, up_cap)
+    return project(h, w2, None, offs, block_m)
 
 
 @experts_small_m.register_fake

@@ -43,6 +43,14 @@ _GROUPED_MM = os.environ.get("KIMI_MOE_GROUPED_MM", "1") != "0"
 _SMALL_M = os.environ.get("KIMI_MOE_SMALL_M", "1") != "0"
 
 
+def set_small_m(enabled: bool) -> bool:
+    """Route decode batches' experts to the small-M kernels (True) or CUTLASS's grouped GEMM;
+    returns the previous setting."""
+    global _SMALL_M
+    prev, _SMALL_M = _SMALL_M, bool(enabled)
+    return prev
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with SwiGLU or SiTU-GLU."""
 
@@ -189,8 +197,8 @@ def _grouped_mm_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
 def _small_m_block(zs: torch.Tensor, w: torch.Tensor) -> int | None:
     """The row block of the small-M expert kernels for these rows, or None where they do not apply:
     turned off (KIMI_MOE_SMALL_M=0), without Triton, when a gradient is wanted (they have no
-    backward), or past 16 rows per expert on average (256-sequence batches, prefill: there CUTLASS's
-    grouped GEMM wins)."""
+    backward), or where the busiest expert would get more rows than their largest block
+    (prefill, batches past ~300 sequences at top-8 of 64: there CUTLASS's grouped GEMM is used)."""
     if not _SMALL_M or not experts_small_m_available(zs):
         return None
     if torch.is_grad_enabled() and (zs.requires_grad or w.requires_grad):
