@@ -50,11 +50,13 @@ class Mode(NamedTuple):
     overlap: bool
     compile: bool
     small_m: bool  # decode batches' experts on the small-M kernels (else CUTLASS's grouped GEMM)
+    mla_kernel: bool = True  # MLA's absorbed decode attention on kernels/mla_decode.py (else the fp32 reference)
 
 
 MODES = {"eager": Mode(False, False, False, True), "CUDA graphs": Mode(True, False, False, True),
          "graphs + overlap": Mode(True, True, False, True), "compiled": Mode(True, True, True, True),
-         "compiled, grouped GEMM": Mode(True, True, True, False)}
+         "compiled, grouped GEMM": Mode(True, True, True, False),
+         "graphs + overlap, fp32 MLA attention": Mode(True, True, False, True, False)}
 
 
 def sync() -> None:
@@ -102,10 +104,11 @@ def bound_tok_s(model, seqs: int, context: int, bandwidth: float = BANDWIDTH) ->
 
 
 def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, overlap: bool = False,
-           compile: bool = False, small_m: bool = True, chunk: int = 8192, around_decode=contextlib.nullcontext,
+           compile: bool = False, small_m: bool = True, mla_kernel: bool = True, chunk: int = 8192, around_decode=contextlib.nullcontext,
            host_profile: cProfile.Profile | None = None, after_step=None) -> dict:
     """`small_m`: a decode batch's routed experts on the small-M Triton kernels (else CUTLASS's grouped
-    GEMM, as a prefill's); `around_decode`: a context manager (factory) the decode phase runs in,
+    GEMM, as a prefill's); `mla_kernel`: MLA's absorbed decode attention on kernels/mla_decode.py
+    (else the fp32 reference); `around_decode`: a context manager (factory) the decode phase runs in,
     after the prefills;
     `host_profile`: profiles the engine's steps (its own thread) during the decode phase;
     `after_step`: called after each of the engine's steps of the decode phase."""
@@ -160,14 +163,15 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
             sync()
         return time.perf_counter() - started
 
-    from policy.layers import moe
+    from policy.layers import mla, moe
 
-    small_m_before = moe.set_small_m(small_m)
+    small_m_before, mla_before = moe.set_small_m(small_m), mla.set_decode_kernel(mla_kernel)
     try:
         with host_phases(engine) as phases, gpu_timeline(engine) as timeline:
             wall_s = asyncio.run(run())
     finally:
         moe.set_small_m(small_m_before)
+        mla.set_decode_kernel(mla_before)
     # graphs are captured once per shape per engine (here, in the decode phase's first steps; compiling
     # the step, when compiled, is part of it): the steady rate leaves that time out, which a run's
     # thousands of steps amortise

@@ -15,12 +15,15 @@ The latent norms use eps 1e-6 (as the HF Kimi Linear code does), the rest cfg.rm
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from kernels.attention import attention
 from kernels.fusion import fused_on_cuda
+from kernels.mla_decode import mla_decode, mla_decode_supported
 from kernels.ops import masked_logit_max, topk_mask
 
 from ..cache import MLACache
@@ -30,6 +33,16 @@ from .norms import RMSNorm
 _LATENT_EPS = 1e-6
 _INDEX_HEAD_CHUNK = 8
 _QK_STAT_CHUNK = 1024
+# KIMI_MLA_DECODE_KERNEL=0 keeps absorbed decode steps on the fp32 reference (benchmarks compare the two)
+_DECODE_KERNEL = os.environ.get("KIMI_MLA_DECODE_KERNEL", "1") != "0"
+
+
+def set_decode_kernel(enabled: bool) -> bool:
+    """Absorbed decode steps through kernels/mla_decode.py (True) or the fp32 reference attention;
+    returns the previous setting."""
+    global _DECODE_KERNEL
+    prev, _DECODE_KERNEL = _DECODE_KERNEL, bool(enabled)
+    return prev
 
 
 class LightningIndexer(nn.Module):
@@ -206,10 +219,20 @@ class MLAMixer(nn.Module):
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_lat = torch.einsum("bthn,hnl->bthl", q[..., :self.nope], w_uk)
         q_abs = torch.cat([q_lat, q[..., self.nope:]], -1)  # [B, T, H, L + R]
+        if q.shape[1] == 1 and self._decode_kernel_applies(q_abs, full):
+            keys = full.valid if selected is None else full.valid & selected[:, 0]
+            ctx = mla_decode(q_abs[:, 0], full.latent, full.k_rope, keys, self.scale).unsqueeze(1)
+            return torch.einsum("bthl,hvl->bthv", ctx, w_uv)
         k_abs = torch.cat([full.latent, full.k_rope], -1).unsqueeze(2)  # [B, S, 1, L + R]
         ctx = attention(q_abs, k_abs, full.latent.unsqueeze(2), scale=self.scale, causal=True,
                         key_mask=full.valid, mask=selected, sink=self.sinks)  # [B, T, H, L]
         return torch.einsum("bthl,hvl->bthv", ctx, w_uv)
+
+    def _decode_kernel_applies(self, q_abs: torch.Tensor, full: MLACache) -> bool:
+        """One query token per row through kernels/mla_decode.py: where Triton runs, without sinks
+        (the kernel has none) or a gradient (nor a backward), unless turned off."""
+        return (_DECODE_KERNEL and self.sinks is None and not (torch.is_grad_enabled() and q_abs.requires_grad)
+                and mla_decode_supported(q_abs, full.latent, full.k_rope))
 
     # ---- QK-Clip ---------------------------------------------------------------------------
     @torch.no_grad()

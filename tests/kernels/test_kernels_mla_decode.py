@@ -1,0 +1,113 @@
+"""MLA's absorbed decode kernel (kernels/mla_decode.py) against the fp32 reference attention.
+
+It runs on CUDA (bf16, what decode uses) or, without a GPU, under Triton's interpreter in float32:
+    TRITON_INTERPRET=1 PYTHONPATH=<triton's site> pytest tests/kernels/test_kernels_mla_decode.py
+The venv has no Triton (it breaks `import vllm` on a CPU torch): `make test` installs one beside it
+(.cache/triton-interp), and the last test runs this file's kernel tests there in a subprocess."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import mla_decode as kernel
+from kernels.ops import masked_attention
+
+REPO = Path(__file__).resolve().parents[2]
+INTERPRETER_SITE = REPO / ".cache" / "triton-interp"
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+DTYPE = torch.bfloat16 if ON_CUDA else torch.float32  # the interpreter's bf16 products are wrong
+_probe = torch.empty(1, 1, 16, device=DEVICE, dtype=DTYPE)
+usable = pytest.mark.skipif(not kernel.mla_decode_supported(_probe, _probe, _probe),
+                            reason="needs Triton with CUDA, or TRITON_INTERPRET=1")
+
+
+def _inputs(B: int, H: int, S: int, L: int = 64, R: int = 16, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L + R, generator=gen)
+    latent, rope = torch.randn(B, S, L, generator=gen), torch.randn(B, S, R, generator=gen)
+    valid = torch.rand(B, S, generator=gen) < 0.8
+    return [t.to(DEVICE, DTYPE) for t in (q, latent, rope)] + [valid.to(DEVICE)]
+
+
+def _reference(q, latent, rope, valid, scale):
+    k = torch.cat([latent, rope], -1).unsqueeze(2)
+    return masked_attention(q.unsqueeze(1), k, latent.unsqueeze(2), scale, causal=True, key_mask=valid)[:, 0]
+
+
+def _close(out, ref):
+    tol = 2e-2 if out.dtype == torch.bfloat16 else 1e-5  # bf16: the output's rounding
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert (out.float() - ref.float()).abs().max().item() <= tol * max(ref.float().abs().max().item(), 1.0)
+
+
+@usable
+@pytest.mark.parametrize("heads", [4, 20])
+def test_mla_decode_equals_the_reference(heads):
+    """Head counts below and past a head block, key counts not a multiple of the key block, rows
+    with invalid keys (padding, gaps) and one with none valid (zeros)."""
+    q, latent, rope, valid = _inputs(3, heads, 45)
+    valid[1] = False
+    assert kernel.splits_for(3, heads, 45) == 1
+    out = kernel.mla_decode(q, latent, rope, valid, 0.1)
+    ref = _reference(q, latent, rope, valid, 0.1)
+    _close(out, ref)
+    assert out[1].abs().max().item() == 0
+
+
+@usable
+def test_mla_decode_split_key_ranges_merge_to_the_reference(monkeypatch):
+    """Long rows split over programs (flash-decoding), a split left empty by invalid keys, and
+    the merge of their partial sums."""
+    monkeypatch.setattr(kernel, "_MIN_KEYS_PER_SPLIT", 32)
+    q, latent, rope, valid = _inputs(2, 4, 150)
+    valid[0, :64] = False  # row 0's first two splits see no valid key
+    assert kernel.splits_for(2, 4, 150) == 4
+    _close(kernel.mla_decode(q, latent, rope, valid, 0.1), _reference(q, latent, rope, valid, 0.1))
+
+
+def test_mla_decode_refuses_mismatched_shapes():
+    q = torch.zeros(2, 4, 80)
+    with pytest.raises(ValueError, match="latent \\[B, S, L\\]"):
+        kernel.mla_decode(q, torch.zeros(2, 9, 64), torch.zeros(2, 9, 32), torch.ones(2, 9, dtype=torch.bool), 1.0)
+
+
+@usable
+def test_mla_layer_decode_step_uses_the_kernel(monkeypatch):
+    """A decode step of the MLA layer in eval mode goes through the kernel and gives what the
+    reference path gives (the layer's own switch turned off)."""
+    from policy import build_model
+    from policy.layers import mla
+
+    model = build_model("toy", device=DEVICE, dtype=DTYPE).eval()
+    layer = next(layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "kv_lora"))
+    x = torch.randn(2, 7, model.config.hidden_size, device=DEVICE, dtype=DTYPE)
+    calls = []
+    real = mla.mla_decode
+    monkeypatch.setattr(mla, "mla_decode", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.no_grad():
+        _, cache, _ = layer(x[:, :6], use_cache=True)
+        fast, _, _ = layer(x[:, 6:], cache=cache, use_cache=True)
+        before = mla.set_decode_kernel(False)
+        try:
+            slow, _, _ = layer(x[:, 6:], cache=cache, use_cache=True)
+        finally:
+            mla.set_decode_kernel(before)
+    assert len(calls) == 1
+    _close(fast, slow)
+
+
+@pytest.mark.skipif(kernel.mla_decode_supported(_probe, _probe, _probe), reason="the kernel tests run in this process")
+@pytest.mark.skipif(not (INTERPRETER_SITE / ".installed").exists(),
+                    reason="no Triton beside the venv for the interpreter (make test installs it)")
+def test_the_kernel_tests_pass_under_triton_s_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(INTERPRETER_SITE), str(REPO)])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__, "-k",
+                          "equals_the_reference or merge_to or uses_the_kernel"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "4 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
