@@ -102,10 +102,12 @@ if triton is not None:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
+@torch.library.custom_op("kimi::mla_decode", mutates_args=())
 def mla_decode(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor,
                scale: float) -> torch.Tensor:
     """q: [B, H, L + R] (the absorbed query); latent: [B, S, L]; rope: [B, S, R]; valid: bool [B, S]
-    -> [B, H, L] in latent's dtype. L and R powers of two (the kernel's tiles span them whole)."""
+    -> [B, H, L] in latent's dtype. L and R powers of two (the kernel's tiles span them whole).
+    A torch custom op: torch.compile and CUDA graphs take it as one opaque call."""
     B, H, Dk = q.shape
     S, DV, DR = latent.shape[1], latent.shape[2], rope.shape[2]
     if Dk != DV + DR or rope.shape[:2] != (B, S) or valid.shape != (B, S):
@@ -139,3 +141,8 @@ def mla_decode(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, valid:
     denom = (weight * lse).sum(1)
     merged = (weight.unsqueeze(-1) * acc).sum(1) / torch.where(denom == 0, 1.0, denom).unsqueeze(-1)
     return merged.to(latent.dtype)
+
+
+@mla_decode.register_fake
+def _(q, latent, rope, valid, scale):
+    return latent.new_empty(q.shape[0], q.shape[1], latent.shape[2])
