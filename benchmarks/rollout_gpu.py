@@ -8,8 +8,9 @@ Each size runs in several modes in one process (`--modes` picks), eager decode b
 decode (rl/rollout/decode_graphs.py), the graphs with overlapped steps (each launched before the
 last one's tokens are read back: the engine's default on a GPU), those with the captured step
 compiled by torch.compile (`rollout.compile_decode`), and that with the routed experts on CUTLASS's
-grouped GEMM instead of the small-M kernels (kernels/grouped_experts.py), the same sequences and
-tokens. `--long-context N` then prefills one
+grouped GEMM instead of the small-M kernels (kernels/grouped_experts.py), and graphs + overlap with
+MLA's absorbed decode attention on the fp32 reference instead of kernels/mla_decode.py; the same
+sequences and tokens. `--long-context N` then prefills one
 N-token prompt (in chunks of --chunk tokens) and decodes from it: time, decode rate, peak memory.
 
 `kimi-linear-4l`: Kimi-Linear-48B layer shapes cut to 4 layers (3 KDA + 1 MLA) and 64 experts.
