@@ -97,7 +97,7 @@ if triton is not None:
             out = out_ptr + b * stride_ob * DV + sp * stride_os * DV + heads[:, None] * DV + dv[None, :]
             tl.store(out, acc, mask=h_ok[:, None])
         else:
-            acc = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # no valid key: acc is 0, so the output is
+            acc = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # no valid key: acc and so the output are 0
             out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 

@@ -3,14 +3,8 @@
 They run on CUDA (bf16, what the policy's decode uses) or, without a GPU, under Triton's
 interpreter in float32 (its bf16 products are wrong):
     TRITON_INTERPRET=1 PYTHONPATH=<triton's site> pytest tests/kernels/test_kernels_grouped_experts.py
-The venv has no Triton (it breaks `import vllm` on a CPU torch): `make test` installs one beside it
-(.cache/triton-interp), and the last test runs this file's kernel tests there in a subprocess."""
+The last test runs this file's kernel tests there in a subprocess (tests/kernels/triton_interpreter.py)."""
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +12,8 @@ import torch.nn.functional as F
 
 from kernels.grouped_experts import ROW_BLOCKS, experts_small_m, experts_small_m_available, small_m_block
 from kernels.ops import situ_glu
+from tests.kernels.triton_interpreter import DEVICE, ON_CUDA, needs_interpreter_site, run_under_interpreter
 
-REPO = Path(__file__).resolve().parents[2]
-INTERPRETER_SITE = REPO / ".cache" / "triton-interp"
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
 usable = pytest.mark.skipif(not experts_small_m_available(torch.empty(0, device=DEVICE)),
                             reason="needs Triton with CUDA, or TRITON_INTERPRET=1")
 
@@ -102,10 +93,7 @@ def test_moe_layer_decode_batch_uses_the_small_m_kernels(monkeypatch):
 
 @pytest.mark.skipif(experts_small_m_available(torch.empty(0, device=DEVICE)),
                     reason="the kernel tests run in this process")
-@pytest.mark.skipif(not (INTERPRETER_SITE / ".installed").exists(),
-                    reason="no Triton beside the venv for the interpreter (make test installs it)")
+@needs_interpreter_site
 def test_the_kernel_tests_pass_under_triton_s_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(INTERPRETER_SITE), str(REPO)])}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__, "-k",
-                          "equal_the_per_expert"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    run = run_under_interpreter(__file__, "equal_the_per_expert")
     assert run.returncode == 0 and "6 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]

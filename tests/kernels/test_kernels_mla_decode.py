@@ -2,25 +2,16 @@
 
 It runs on CUDA (bf16, what decode uses) or, without a GPU, under Triton's interpreter in float32:
     TRITON_INTERPRET=1 PYTHONPATH=<triton's site> pytest tests/kernels/test_kernels_mla_decode.py
-The venv has no Triton (it breaks `import vllm` on a CPU torch): `make test` installs one beside it
-(.cache/triton-interp), and the last test runs this file's kernel tests there in a subprocess."""
+The last test runs this file's kernel tests there in a subprocess (tests/kernels/triton_interpreter.py)."""
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import mla_decode as kernel
 from kernels.ops import masked_attention
+from tests.kernels.triton_interpreter import DEVICE, ON_CUDA, needs_interpreter_site, run_under_interpreter
 
-REPO = Path(__file__).resolve().parents[2]
-INTERPRETER_SITE = REPO / ".cache" / "triton-interp"
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPE = torch.bfloat16 if ON_CUDA else torch.float32  # the interpreter's bf16 products are wrong
 _probe = torch.empty(1, 1, 16, device=DEVICE, dtype=DTYPE)
 usable = pytest.mark.skipif(not kernel.mla_decode_supported(_probe, _probe, _probe),
@@ -103,11 +94,7 @@ def test_mla_layer_decode_step_uses_the_kernel(monkeypatch):
 
 
 @pytest.mark.skipif(kernel.mla_decode_supported(_probe, _probe, _probe), reason="the kernel tests run in this process")
-@pytest.mark.skipif(not (INTERPRETER_SITE / ".installed").exists(),
-                    reason="no Triton beside the venv for the interpreter (make test installs it)")
+@needs_interpreter_site
 def test_the_kernel_tests_pass_under_triton_s_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(INTERPRETER_SITE), str(REPO)])}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__, "-k",
-                          "equals_the_reference or merge_to or uses_the_kernel"], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
+    run = run_under_interpreter(__file__, "equals_the_reference or merge_to or uses_the_kernel")
     assert run.returncode == 0 and "4 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
