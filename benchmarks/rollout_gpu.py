@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import cProfile
 import contextlib
+import gc
 import io
 import json
 import pstats
@@ -104,6 +105,69 @@ def bound_tok_s(model, seqs: int, context: int, bandwidth: float = BANDWIDTH) ->
     return seqs * bandwidth / (weights + state)
 
 
+def prompts_for(seqs: int, prompt: int, vocab: int) -> list[list[int]]:
+    """Every sequence's own random prompt, the same in every mode and engine."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(10, vocab, (prompt,), generator=gen).tolist() for _ in range(seqs)]
+
+
+def transformers_twin(model):
+    """transformers' KimiLinearForCausalLM with `model`'s shapes, dtype and device (its own random
+    weights: a decode rate does not depend on their values). Refuses a preset it cannot express (DSA,
+    AttnRes, LatentMoE, SiTU-GLU: its parameter count would differ)."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    from policy.checkpoint import text_config_dict
+
+    # its prefill is left out of the rate, and fla's chunk kernel would autotune for minutes first:
+    # prefill on transformers' own torch path (decode steps keep fla's recurrent kernel)
+    chunk = modeling_kimi_linear.chunk_kimi_delta_attention
+    modeling_kimi_linear.chunk_kimi_delta_attention = getattr(chunk, "__wrapped__", chunk)
+    cfg = model.config
+    beyond = [name for name, used in (("DSA", "dsa" in cfg.layer_types), ("AttnRes", cfg.attn_res),
+                                      ("LatentMoE", cfg.routed_expert_hidden_size is not None),
+                                      (cfg.hidden_act, cfg.hidden_act != "silu")) if used]
+    if beyond:
+        raise SystemExit(f"transformers' KimiLinear cannot express {cfg.name}: it has no {', '.join(beyond)}")
+    weight = model.lm_head.weight
+    with torch.device(weight.device):
+        twin = KimiLinearForCausalLM(KimiLinearConfig(**text_config_dict(model.config))).to(weight.dtype).eval()
+    ours, theirs = (sum(p.numel() for p in m.parameters()) for m in (model, twin))
+    if ours != theirs:
+        raise SystemExit(f"transformers' KimiLinear cannot express {model.config.name}: {theirs:,} parameters "
+                         f"where ours has {ours:,}")
+    return twin
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def transformers_decode(twin, seqs: int, prompt: int, new: int, vocab: int) -> dict:
+    """`generate`'s decode rate: `new` more tokens per sequence over the time they add to a 1-token
+    generate of the same prompts (greedy, every sequence `new` tokens: no stop)."""
+    device = twin.lm_head.weight.device
+    ids = torch.tensor(prompts_for(seqs, prompt, vocab), device=device)
+
+    def timed(tokens: int) -> float:
+        sync()
+        started = time.perf_counter()
+        with torch.no_grad():
+            twin.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                          do_sample=False, use_cache=True, pad_token_id=0)
+        sync()
+        return time.perf_counter() - started
+
+    timed(2)  # first launches at these shapes
+    prefill_s = timed(1)
+    decode_s = timed(new + 1) - prefill_s
+    return {"sequences": seqs, "engine": "transformers", "decode_s": decode_s, "prefill_s": prefill_s,
+            "decode_tok_s": seqs * new / decode_s, "step_ms": decode_s / new * 1e3}
+
+
 def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, overlap: bool = False,
            compile: bool = False, small_m: bool = True, mla_kernel: bool = True, chunk: int = 8192, around_decode=contextlib.nullcontext,
            host_profile: cProfile.Profile | None = None, after_step=None) -> dict:
@@ -119,8 +183,7 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
     engine = NativeEngine(model, max_slots=seqs, cache_tokens=seqs * (prompt + new + 64), max_batch_tokens=chunk,
                           record_routing=False, decode_graphs=graphs, overlap=overlap, compile_decode=compile)
     engine.version = 0
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, vocab, (prompt,), generator=gen).tolist() for _ in range(seqs)]
+    prompts = prompts_for(seqs, prompt, vocab)
     tokens: dict[int, list[int]] = {}
 
     async def first(i: int) -> None:  # the prompt, and one token: the decode phase starts after it
@@ -473,6 +536,8 @@ def main() -> None:
                         help="the decode modes to run, each size; the first is the one the others are compared with")
     parser.add_argument("--repeat-first", "--repeat-eager", dest="repeat_first", action="store_true",
                         help="a second run of the first mode (eager by default), to compare tokens with")
+    parser.add_argument("--transformers", action="store_true",
+                        help="also transformers' KimiLinearForCausalLM.generate on a model of the same shapes")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (graphs run eagerly)")
     parser.add_argument("--dtype", default="bfloat16", help="float32: graph and eager tokens compared at full precision")
     parser.add_argument("--profile", action="store_true",
@@ -494,6 +559,7 @@ def main() -> None:
     modes = {name: MODES[name] for name in args.modes}
     for mode in modes.values():  # warm-up: first launches, allocator, compiling
         decode(model, 4, 16, 8, vocab, *mode)
+    twin = transformers_twin(model) if args.transformers else None
     results = {"args": vars(args), "card": card, "bandwidth": bandwidth, "rows": []}
     for n in args.seqs:
         runs = {}
@@ -528,6 +594,20 @@ def main() -> None:
                         for mode, row in runs.items() if mode != first)
             + (f"; {first} again: the same for {sum(a == b for a, b in zip(tokens[first], again))} of {n}"
                if again else ""))
+        if twin is not None:
+            release_memory()  # our engines' caches and graphs (held in reference cycles until collected)
+            try:
+                hf = transformers_decode(twin, n, args.prompt, args.new, vocab)
+            except torch.OutOfMemoryError as exc:
+                log(f"{n} sequences, transformers generate: out of memory ({str(exc).splitlines()[0]})")
+                continue
+            hf["bound_tok_s"] = runs[first]["bound_tok_s"]
+            hf["fraction_of_bound"] = hf["decode_tok_s"] / hf["bound_tok_s"]
+            results["rows"].append(hf)
+            log(f"{n} sequences, transformers generate: decode {hf['decode_tok_s']:.0f} tok/s "
+                f"({hf['fraction_of_bound']:.1%} of the bound), step {hf['step_ms']:.2f} ms, prefill "
+                f"{hf['prefill_s']:.2f} s; " + ", ".join(f"{mode} {row['decode_tok_s'] / hf['decode_tok_s']:.1f}x it"
+                                                          for mode, row in runs.items()))
         write_json(results, args.json)
     if args.profile:
         log(f"profile of an eager decode at {args.seqs[0]} sequences, {args.prompt}-token prompts:\n"
