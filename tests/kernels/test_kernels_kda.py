@@ -274,6 +274,23 @@ def test_kda_in_slots_updates_the_rows_slots_and_nothing_else(T):
     assert torch.equal(pool[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_in_slots_torch_decode_step_equals_the_recurrence(dtype):
+    """A decode step without grad on the torch path (a CPU engine's) updates the gathered states in
+    place with batched products: the recurrence's outputs and states, grouped value heads included;
+    the slots no row uses keep their states."""
+    (q, k, v, g, beta), pool, slots = _pool_case(1, "cpu", dtype, seed=23)
+    before = pool.clone()
+    with torch.no_grad():
+        o = kda_in_slots(q, k, v, g, beta, pool, slots)
+    o_ref, final = kda_recurrent(q, k, v, g, beta, initial_state=before[slots], output_final_state=True)
+    assert o.dtype == o_ref.dtype == dtype
+    assert torch.allclose(o.float(), o_ref.float(), atol=1e-5, rtol=1e-5)
+    assert torch.allclose(pool[slots], final, atol=1e-5, rtol=1e-5)
+    untouched = torch.tensor([1, 3, 5])
+    assert torch.equal(pool[untouched], before[untouched])
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla-core")
 def test_kda_in_slots_fla_decode_step_equals_the_torch_path():
     """On CUDA the decode step runs fla's recurrent kernel on the pool in place (its continuous-
