@@ -140,10 +140,24 @@ def transformers_twin(model):
     return twin
 
 
-def release_memory() -> None:
+def transformers_rows(model, sizes: list[int], prompt: int, new: int, vocab: int) -> dict[int, dict]:
+    """`transformers_decode` at each size on `model`'s twin (a size that runs out of memory is said
+    and left out); the twin's memory is given back afterwards."""
+    twin = transformers_twin(model)
+    rows = {}
+    for n in sizes:
+        try:
+            rows[n] = transformers_decode(twin, n, prompt, new, vocab)
+        except torch.OutOfMemoryError as exc:
+            log(f"{n} sequences, transformers generate: out of memory ({str(exc).splitlines()[0]})")
+            continue
+        log(f"{n} sequences, transformers generate: decode {rows[n]['decode_tok_s']:.0f} tok/s, step "
+            f"{rows[n]['step_ms']:.2f} ms, prefill {rows[n]['prefill_s']:.2f} s")
+    del twin
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return rows
 
 
 def transformers_decode(twin, seqs: int, prompt: int, new: int, vocab: int) -> dict:
@@ -556,10 +570,12 @@ def main() -> None:
         f"bound at {bandwidth / 1e12:.2f} TB/s ("
         + ("given" if args.bandwidth else "its device-to-device copy, measured" if args.device == "cuda"
            else "the H200's copy rate, not measured on a CPU") + ")")
+    # transformers first, every size, while no engine of ours holds memory (its torch prefill of 256
+    # prompts takes tens of GiB); then its model is dropped
+    generate_rates = transformers_rows(model, args.seqs, args.prompt, args.new, vocab) if args.transformers else {}
     modes = {name: MODES[name] for name in args.modes}
     for mode in modes.values():  # warm-up: first launches, allocator, compiling
         decode(model, 4, 16, 8, vocab, *mode)
-    twin = transformers_twin(model) if args.transformers else None
     results = {"args": vars(args), "card": card, "bandwidth": bandwidth, "rows": []}
     for n in args.seqs:
         runs = {}
@@ -594,20 +610,14 @@ def main() -> None:
                         for mode, row in runs.items() if mode != first)
             + (f"; {first} again: the same for {sum(a == b for a, b in zip(tokens[first], again))} of {n}"
                if again else ""))
-        if twin is not None:
-            release_memory()  # our engines' caches and graphs (held in reference cycles until collected)
-            try:
-                hf = transformers_decode(twin, n, args.prompt, args.new, vocab)
-            except torch.OutOfMemoryError as exc:
-                log(f"{n} sequences, transformers generate: out of memory ({str(exc).splitlines()[0]})")
-                continue
+        hf = generate_rates.get(n)
+        if hf is not None:
             hf["bound_tok_s"] = runs[first]["bound_tok_s"]
             hf["fraction_of_bound"] = hf["decode_tok_s"] / hf["bound_tok_s"]
             results["rows"].append(hf)
-            log(f"{n} sequences, transformers generate: decode {hf['decode_tok_s']:.0f} tok/s "
-                f"({hf['fraction_of_bound']:.1%} of the bound), step {hf['step_ms']:.2f} ms, prefill "
-                f"{hf['prefill_s']:.2f} s; " + ", ".join(f"{mode} {row['decode_tok_s'] / hf['decode_tok_s']:.1f}x it"
-                                                          for mode, row in runs.items()))
+            log(f"{n} sequences, beside transformers generate ({hf['decode_tok_s']:.0f} tok/s, "
+                f"{hf['fraction_of_bound']:.1%} of the bound): "
+                + ", ".join(f"{mode} {row['decode_tok_s'] / hf['decode_tok_s']:.1f}x" for mode, row in runs.items()))
         write_json(results, args.json)
     if args.profile:
         log(f"profile of an eager decode at {args.seqs[0]} sequences, {args.prompt}-token prompts:\n"
