@@ -170,7 +170,8 @@ class RolloutConfig(Section):
     overlap_decode: bool = True
     # native engine: inputs of at most this many tokens (tool results) join the decode batch a token a
     # step instead of a prefill forward of their own (eager on a GPU: ~0.1 s of launches for `small`);
-    # for CUDA graphs, e.g. 32; not yet measured on a GPU, so 0 (off)
+    # meant for CUDA graphs; in configs/gpu_small.yaml's pipeline on an H200, 32 made rollout slower (each
+    # result takes a decode step per token; benchmarks/RESULTS.md), so 0 (off)
     decode_feed_tokens: int = Field(default=0, ge=0)
     # native engine: the fixed-shape decode step compiled by torch.compile. On a CPU 1.14-1.3x on steady
     # decode benchmarks, slower in the demo's multi-turn rollouts (shapes keep changing); on a GPU the

@@ -103,8 +103,8 @@ class NativeEngine(RolloutEngine):
         decode_feed_tokens: inputs of at most this many tokens (tool results, short prompts) are fed
         one token a step inside the decode batch instead of by a prefill forward of their own: meant
         for CUDA graphs, where a replayed step costs less than an eager prefill's launches and the
-        other sequences keep decoding meanwhile (on a CPU it only adds steps); not yet measured on a
-        GPU, so off by default. overlap: launch
+        other sequences keep decoding meanwhile (on a CPU it only adds steps); in the GPU pipeline
+        (benchmarks/RESULTS.md) it made rollout slower, so it is off by default. overlap: launch
         each step before reading the last one's tokens back; None means on a GPU (on a CPU the
         steps run in order anyway: True there runs the same bookkeeping, for tests)."""
         self.model = model.eval()
