@@ -393,7 +393,8 @@ def kda_in_slots(
     """KDA whose states live in a pool: row b starts from state_pool[slots[b]] and its final state
     is written back there (float32 pool [N, HV, K, V], slots [B] long). Returns o [B, T, HV, V].
     A decode step (T == 1, no grad) on CUDA with fla reads and writes each state once, in place;
-    otherwise the rows' states are gathered, run through `kda`, and scattered back. Rows may share
+    elsewhere a decode step updates one gathered copy of the states with batched products and puts
+    it back; chunks are gathered, run through `kda`, and scattered back. Rows may share
     a slot only when what it holds afterwards does not matter (padding rows on a scratch slot)."""
     backend = _resolve_backend(backend, q)
     on_fla = backend != "torch" and q.is_cuda and q.dtype != torch.float64 and _is_decode_step(q)
