@@ -131,16 +131,41 @@ class StackedExperts(nn.Module):
         h = glu(torch.bmm(blocks, self.w1.transpose(1, 2)), torch.bmm(blocks, self.w3.transpose(1, 2)), *self.act)
         return torch.bmm(h, self.w2.transpose(1, 2))[expert, pos]
 
-    @torch.compiler.disable  # data-dependent sizes: left eager inside a compiled forward
     def _per_expert(self, zs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        parts, start = [], 0
-        for e, c in enumerate(counts.tolist()):
-            if c:
-                ze = zs[start:start + c]
-                h = glu(ze @ self.w1[e].t(), ze @ self.w3[e].t(), *self.act)
-                parts.append(h @ self.w2[e].t())
-            start += c
-        return torch.cat(parts) if parts else zs.new_zeros(0, self.w2.shape[1])
+        if torch.is_grad_enabled() and (zs.requires_grad or self.w1.requires_grad):
+            return _per_expert_with_grad(zs, counts, self.w1, self.w3, self.w2, *self.act)
+        # no gradient (a rollout engine's forward): an opaque op, so a compiled decode step stays one graph
+        return experts_per_expert(zs, counts, self.w1, self.w3, self.w2, *self.act)
+
+
+def _per_expert_loop(zs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                     act: str, gate_cap: float, up_cap: float) -> torch.Tensor:
+    """One GEMM chain per used expert over its rows (zs sorted by expert, counts[e] rows each)."""
+    parts, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            ze = zs[start:start + c]
+            h = glu(ze @ w1[e].t(), ze @ w3[e].t(), act, gate_cap, up_cap)
+            parts.append(h @ w2[e].t())
+        start += c
+    return torch.cat(parts) if parts else zs.new_zeros(0, w2.shape[1])
+
+
+# data-dependent sizes: left eager inside a compiled training forward
+_per_expert_with_grad = torch.compiler.disable(_per_expert_loop)
+
+
+@torch.library.custom_op("kimi::experts_per_expert", mutates_args=())
+def experts_per_expert(zs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                       act: str, gate_cap: float, up_cap: float) -> torch.Tensor:
+    """The per-expert loop as one op without gradient: its output shape [M, d] does not depend on
+    the counts it reads, so torch.compile keeps it inside the graph instead of breaking around it."""
+    return _per_expert_loop(zs, counts, w1, w3, w2, act, gate_cap, up_cap)
+
+
+@experts_per_expert.register_fake
+def _(zs, counts, w1, w3, w2, act, gate_cap, up_cap):
+    return zs.new_empty(zs.shape[0], w2.shape[1])
 
 
 class _FixedCapacity(threading.local):

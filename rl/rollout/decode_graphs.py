@@ -20,7 +20,8 @@ copy into the weights in place, so the graphs follow them; a cache released and 
 Without CUDA (or with graphs off) the same fixed-shape step runs eagerly, which is how it is tested
 against the engine's variable-shape forward on a CPU. The step can also be compiled (`compile=True`:
 torch.compile). On a CPU inductor's C++ kernels fuse the small elementwise ops that bound a decode
-step there (the experts' per-expert loop stays eager); on a GPU a graph already removes the
+step there (the experts' per-expert loop runs inside the graph as one opaque op, so the step is one
+graph); on a GPU a graph already removes the
 launches, but each of a step's ~300 kernels still takes a few microseconds of GPU time, most of them
 elementwise chains that inductor's Triton kernels fuse: the compiled step is what gets captured."""
 from __future__ import annotations
@@ -37,6 +38,8 @@ from policy.slot_cache import SlotCache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 MIN_KEY_BUCKET = 64  # past-key buckets are powers of two from here
+# a step's inputs of one value per row, first in its packed input tensor (the past keys' two follow)
+_ROW_COLUMNS = ("ids", "source", "slots", "lengths", "write_index", "new_valid")
 
 
 def batch_bucket(n: int) -> int:
@@ -57,8 +60,7 @@ class _Buffers:
         # ids, source, slots, lengths, write_index, new_valid: [B, 1]; past_index, past_valid: [B, keys]
         # (the valid flags as 0/1: the step turns them into masks; source: -1, or the row of the
         # fed-back tokens that is this row's input instead of ids)
-        widths = {"ids": 1, "source": 1, "slots": 1, "lengths": 1, "write_index": 1, "new_valid": 1,
-                  "past_index": keys, "past_valid": keys}
+        widths = {**{name: 1 for name in _ROW_COLUMNS}, "past_index": keys, "past_valid": keys}
         self.columns: dict[str, slice] = {}
         start = 0
         for name, width in widths.items():
@@ -74,6 +76,16 @@ class _Buffers:
     def column(self, name: str) -> torch.Tensor:
         return self.packed[:, self.columns[name]]
 
+    def unpacked(self) -> dict[str, torch.Tensor]:
+        """Every column, cut by the packed tensor's own width rather than the stored slices: under
+        torch.compile with symbolic sizes the cuts are then symbolic too (stored ints are guarded)."""
+        n = len(_ROW_COLUMNS)
+        keys = (self.packed.shape[1] - n) // 2
+        cols = {name: self.packed[:, i:i + 1] for i, name in enumerate(_ROW_COLUMNS)}
+        cols["past_index"] = self.packed[:, n:n + keys]
+        cols["past_valid"] = self.packed[:, n + keys:]
+        return cols
+
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, cache: SlotCache, record_routing: bool, use_graphs: bool,
@@ -86,6 +98,9 @@ class DecodeGraphs:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         # automatic dynamic shapes: one recompile makes batch and key length symbolic, not one per bucket
         self._step_fn = torch.compile(self._forward, dynamic=None) if compile else self._forward
+        # on a CPU both sizes are symbolic from the first compile (`_allocate`): a whole-step compile takes
+        # tens of seconds there, and the static and symbolic steps ran at the same speed
+        self._symbolic = compile and not self.use_graphs
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None  # one memory pool for every graph: they never run at once
@@ -115,6 +130,10 @@ class DecodeGraphs:
     # ---- inputs ------------------------------------------------------------------------------
     def _allocate(self, batch: int, keys: int) -> _Buffers:
         buf = self._buffers[(batch, keys)] = _Buffers(batch, keys, self.device)
+        if self._symbolic:  # one graph for every bucket (a batch of one, which dynamo specialises, has its own)
+            torch._dynamo.mark_dynamic(buf.packed, 1)
+            if batch > 1:
+                torch._dynamo.mark_dynamic(buf.packed, 0)
         return buf
 
     def _fill(self, buf: _Buffers, slots: list[int], tokens: list[int], sources: list[int]) -> None:
@@ -149,12 +168,12 @@ class DecodeGraphs:
             self._step_fn(buf)
 
     def _forward(self, buf: _Buffers) -> None:
-        col = buf.column
-        slots = col("slots")[:, 0]
-        view = self.cache.view_of(slots, col("past_index"), col("past_valid") != 0, col("write_index"),
-                                  col("new_valid") != 0, col("lengths")[:, 0])
-        source = col("source")
-        ids = torch.where(source >= 0, self.fed_back[source.clamp(min=0)], col("ids"))
+        col = buf.unpacked()
+        slots = col["slots"][:, 0]
+        view = self.cache.view_of(slots, col["past_index"], col["past_valid"] != 0, col["write_index"],
+                                  col["new_valid"] != 0, col["lengths"][:, 0])
+        source = col["source"]
+        ids = torch.where(source >= 0, self.fed_back[source.clamp(min=0)], col["ids"])
         out = self.model(ids, cache=view, use_cache=True, logits_to_keep=1, return_routing=self.record_routing)
         self.cache.write_states(slots, out.cache)
         # the forward's own outputs, not copies: inside a graph they keep their addresses at every replay
