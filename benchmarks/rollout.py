@@ -8,6 +8,8 @@ sequences (32-token prompts, greedy, a fixed number of new tokens each):
 - native: rl.rollout.native_engine.NativeEngine (continuous batching, slot caches);
 - native compiled: the same with `compile_decode=True` (rollout.compile_decode: the fixed-shape
   decode step through torch.compile; warmed up once at each size, its compile time not counted);
+- native forked: the native engine given every sequence as one group (`start_group` with all ids:
+  the prompt prefilled once and forked), the same work as the previous engine's best case;
 - previous: the engine this one replaced (rl/rollout/engine.py at commit 94fe484, read from git,
   given every sequence as one group: its best case);
 - transformers: `KimiLinearForCausalLM.generate` on the same batch (use_cache, greedy).
@@ -69,7 +71,7 @@ def previous_engine_class():
     return module.TorchEngine
 
 
-def run_native(model, prompts: list[list[int]], new: int, compile_decode: bool = False) -> float:
+def run_native(model, prompts: list[list[int]], new: int, compile_decode: bool = False, forked: bool = False) -> float:
     from rl.rollout.engine_api import SamplingParams
     from rl.rollout.native_engine import NativeEngine
 
@@ -86,8 +88,15 @@ def run_native(model, prompts: list[list[int]], new: int, compile_decode: bool =
     async def all_of_them() -> None:
         await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
 
+    async def one_group() -> None:  # every sequence shares prompts[0]: one prefill, forked
+        ids = [f"s{i}" for i in range(len(prompts))]
+        await engine.start_group(ids, prompts[0])
+        await asyncio.gather(*[engine.generate(i, [], params) for i in ids])
+        for i in ids:
+            await engine.finish(i)
+
     started = time.perf_counter()
-    asyncio.run(all_of_them())
+    asyncio.run(one_group() if forked else all_of_them())
     return time.perf_counter() - started
 
 
@@ -167,7 +176,8 @@ def main() -> None:
             prompts = [prompts[0]] * n
         row = {"sequences": n, "new_tokens": n * args.new}
         timings = {"native": lambda: run_native(ours, prompts, args.new),
-                   "native_compiled": lambda: run_native(ours, prompts, args.new, compile_decode=True)}
+                   "native_compiled": lambda: run_native(ours, prompts, args.new, compile_decode=True),
+                   "native_forked": lambda: run_native(ours, prompts, args.new, forked=True)}
         if previous is not None:
             timings["previous"] = lambda: run_previous(previous, ours, prompts, args.new)
         if "transformers" not in args.skip:
@@ -187,16 +197,19 @@ def main() -> None:
             row["compiled_vs_transformers"] = row["native_compiled_tok_s"] / row["transformers_tok_s"]
         if "previous_tok_s" in row:
             row["native_vs_previous"] = row["native_tok_s"] / row["previous_tok_s"]
+            row["forked_vs_previous"] = row["native_forked_tok_s"] / row["previous_tok_s"]
         results["rows"].append(row)
         write_json(results, args.json)
-    print("\n| sequences | native tok/s | native compiled tok/s | previous tok/s | transformers tok/s | matmul floor "
-          "tok/s | native / previous | native / transformers | compiled / transformers | floor / transformers |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| sequences | native tok/s | native compiled tok/s | native forked tok/s | previous tok/s | transformers "
+          "tok/s | matmul floor tok/s | native / previous | forked / previous | native / transformers | compiled / "
+          "transformers | floor / transformers |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
-        cells = [f"{r.get(k, float('nan')):.0f}" for k in ("native_tok_s", "native_compiled_tok_s", "previous_tok_s",
-                                                          "transformers_tok_s", "matmul_floor_tok_s")]
-        ratios = [f"{r[k]:.1f}x" if k in r else "-" for k in ("native_vs_previous", "native_vs_transformers",
-                                                              "compiled_vs_transformers", "floor_vs_transformers")]
+        cells = [f"{r.get(k, float('nan')):.0f}" for k in ("native_tok_s", "native_compiled_tok_s", "native_forked_tok_s",
+                                                          "previous_tok_s", "transformers_tok_s", "matmul_floor_tok_s")]
+        ratios = [f"{r[k]:.1f}x" if k in r else "-" for k in ("native_vs_previous", "forked_vs_previous",
+                                                              "native_vs_transformers", "compiled_vs_transformers",
+                                                              "floor_vs_transformers")]
         print(f"| {r['sequences']} | " + " | ".join(cells + ratios) + " |")
 
 

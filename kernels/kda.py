@@ -35,6 +35,8 @@ Tensor = torch.Tensor
 # Rows of a chunk are grouped in sub-blocks of this size: pairs inside a sub-block use
 # the exact pairwise form (C*SUB*K work), pairs across sub-blocks use matmuls.
 _SUB = 8  # measured fastest on CPU among 4, 8, 16, 32 (fwd+bwd, K=128)
+# forwards without gradient of at most this many tokens run token by token (inference_chunk_size)
+_RECURRENT_MAX_T = 8
 
 
 # --------------------------------------------------------------------------- checks
@@ -356,8 +358,9 @@ def kda(
     """KDA with backend choice (None = the process default, see set_kda_backend):
     "auto": fla-core on CUDA when importable (chunk_kda; fused_recurrent_kda for a 1-token
     step without grad), else torch; "fla": require fla-core; "fla_recurrent": "auto" for 1-token
-    steps without grad, torch otherwise; "torch": kda_chunk for T > 1, kda_recurrent for T == 1.
-    float64 inputs always take the torch path (fla has no fp64)."""
+    steps without grad, torch otherwise; "torch": kda_chunk for T > 1, kda_recurrent for T == 1
+    (without gradient, the chunk of `inference_chunk_size`). float64 inputs always take the torch
+    path (fla has no fp64)."""
     backend = _resolve_backend(backend, q)
     _check_inputs(q, k, v, g, beta, initial_state)
     T = q.shape[1]
@@ -376,7 +379,27 @@ def kda(
         )
     if T == 1:
         return kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state)
+    if not _wants_grad(q, k, v, g, beta, initial_state):
+        chunk = inference_chunk_size(T)
+        if chunk is None:
+            return kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state)
+        return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size=chunk)
     return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state)
+
+
+def inference_chunk_size(T: int) -> int | None:
+    """The torch path's chunk for a forward of T tokens without gradient (a rollout engine's
+    prefill, a no-grad logprob pass), None for token by token. Short inputs take small chunks: a
+    32-token prompt padded to one 64-token chunk did 4-5x the work of two 16-token chunks over 128
+    rows; up to 8 tokens the recurrence is cheaper still. Chunks of 64 stay for training, measured
+    fastest forward and backward. (benchmarks/kda_prefill_cpu.py)"""
+    if T <= _RECURRENT_MAX_T:
+        return None
+    return 16 if T <= 64 else 32
+
+
+def _wants_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def kda_in_slots(

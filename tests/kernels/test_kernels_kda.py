@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.kda import fla_available, kda, kda_chunk, kda_gate, kda_in_slots, kda_recurrent
+import kernels.kda as kda_module
+from kernels.kda import (fla_available, inference_chunk_size, kda, kda_chunk, kda_gate, kda_in_slots,
+                         kda_recurrent)
 
 
 def make_inputs(B=2, T=70, H=2, HV=4, K=8, V=6, gate="softplus", dtype=torch.float64, seed=0):
@@ -164,7 +166,8 @@ def test_matches_transformers_kimi_linear_fallback():
 def test_dispatch_on_cpu_uses_torch_paths():
     q, k, v, g, beta, h0 = make_inputs(T=33, seed=14)
     o, s = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_c, s_c = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_c, s_c = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                         chunk_size=inference_chunk_size(33))
     assert torch.equal(o, o_c) and torch.equal(s, s_c)
     o1, s1 = kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], initial_state=h0, output_final_state=True)
     o1r, s1r = kda_recurrent(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], initial_state=h0,
@@ -174,6 +177,37 @@ def test_dispatch_on_cpu_uses_torch_paths():
         kda(q, k, v, g, beta, backend="fla")
     with pytest.raises(ValueError, match="backend"):
         kda(q, k, v, g, beta, backend="cuda")
+
+
+@pytest.mark.parametrize("T", [5, 8, 9, 40, 64, 65, 100])
+def test_forward_without_grad_takes_the_inference_chunk_and_still_equals_the_recurrence(T, monkeypatch):
+    """Without gradient the torch path runs short inputs token by token and others in small chunks
+    (a rollout prefill); with gradient it keeps chunks of 64 (training). Same results either way."""
+    q, k, v, g, beta, h0 = make_inputs(T=T, gate="lb", seed=T)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    chunks: list[int | None] = []
+    real_chunk, real_recurrent = kda_module.kda_chunk, kda_module.kda_recurrent
+
+    def spy_chunk(*args, chunk_size=64, **kwargs):
+        chunks.append(chunk_size)
+        return real_chunk(*args, chunk_size=chunk_size, **kwargs)
+
+    def spy_recurrent(*args, **kwargs):
+        chunks.append(None)
+        return real_recurrent(*args, **kwargs)
+
+    monkeypatch.setattr(kda_module, "kda_chunk", spy_chunk)
+    monkeypatch.setattr(kda_module, "kda_recurrent", spy_recurrent)
+    with torch.no_grad():
+        o, s = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="torch")
+    assert chunks == [None if T <= 8 else 16 if T <= 64 else 32]
+    assert (o - o_r).abs().max().item() < 1e-10 and (s - s_r).abs().max().item() < 1e-10
+
+    chunks.clear()
+    grad_q = q.clone().requires_grad_(True)
+    o_g, _ = kda(grad_q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="torch")
+    assert chunks == [64]
+    assert (o_g.detach() - o_r).abs().max().item() < 1e-10
 
 
 def test_output_final_state_false_returns_none():
@@ -248,7 +282,7 @@ def test_backend_default_switch():
         with pytest.raises(RuntimeError, match="fla"):
             with kda_backend("fla"):
                 kda(q, k, v, g, beta)
-        assert torch.equal(o, kda_chunk(q, k, v, g, beta)[0])
+        assert torch.equal(o, kda_chunk(q, k, v, g, beta, chunk_size=inference_chunk_size(9))[0])
     with pytest.raises(ValueError, match="backend"):
         set_kda_backend("triton")
 
