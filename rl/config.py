@@ -173,8 +173,9 @@ class RolloutConfig(Section):
     # meant for CUDA graphs; in configs/gpu_small.yaml's pipeline on an H200, 32 made rollout slower (each
     # result takes a decode step per token; benchmarks/RESULTS.md), so 0 (off)
     decode_feed_tokens: int = Field(default=0, ge=0)
-    # native engine: the fixed-shape decode step compiled by torch.compile. On a CPU 1.14-1.3x on steady
-    # decode benchmarks, slower in the demo's multi-turn rollouts (shapes keep changing); on a GPU the
+    # native engine: the fixed-shape decode step compiled by torch.compile (one graph, symbolic batch
+    # and key length: two compiles per engine). On a CPU 1.15-1.7x on steady decode benchmarks, but the
+    # demo's first step pays ~2 min of compiling on two cores and later steps gain ~5%; on a GPU the
     # compiled step is what the CUDA graphs capture (its fused kernels: 1.10-1.25x at the Kimi-Linear
     # shape), at ~25-35 s of compiling per engine
     compile_decode: bool = False
