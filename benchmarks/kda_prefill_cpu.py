@@ -11,27 +11,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_common import median_wall_s  # noqa: E402
+from benchmarks.kda_cpu import make_inputs  # noqa: E402
 from kernels.kda import inference_chunk_size, kda_chunk, kda_recurrent  # noqa: E402
 
 TRAINING_CHUNK = 64
-
-
-def inputs(rows: int, tokens: int, heads: int, dim: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    q, k = (F.normalize(torch.randn(rows, tokens, heads, dim, generator=gen), dim=-1) for _ in range(2))
-    v = torch.randn(rows, tokens, heads, dim, generator=gen)
-    g = -torch.rand(rows, tokens, heads, dim, generator=gen)
-    beta = torch.rand(rows, tokens, heads, generator=gen)
-    return [q, k, v, g, beta]
 
 
 def run_at(chunk: int | None, args: list[torch.Tensor]) -> torch.Tensor:
@@ -40,24 +31,16 @@ def run_at(chunk: int | None, args: list[torch.Tensor]) -> torch.Tensor:
     return kda_chunk(*args, output_final_state=True, chunk_size=chunk)[0]
 
 
-def ms_per_call(chunk: int | None, args: list[torch.Tensor], calls: int) -> float:
-    run_at(chunk, args)
-    started = time.perf_counter()
-    for _ in range(calls):
-        run_at(chunk, args)
-    return (time.perf_counter() - started) / calls * 1e3
-
-
 @torch.no_grad()
 def measure(rows: int, tokens: int, heads: int, dim: int, calls: int, repeats: int) -> dict[str, float]:
     torch.set_num_threads(1)
-    args = inputs(rows, tokens, heads, dim)
+    args = make_inputs(rows, tokens, heads, dim)[:5]  # q, k, v, g, beta: a prompt from an empty state
     chosen = inference_chunk_size(tokens)
     assert torch.allclose(run_at(chosen, args), run_at(TRAINING_CHUNK, args), atol=1e-4)
     times: dict[str, list[float]] = {"chosen": [], "training": []}
     for _ in range(repeats):  # interleaved: a noisy neighbour slows both alike
-        times["chosen"].append(ms_per_call(chosen, args, calls))
-        times["training"].append(ms_per_call(TRAINING_CHUNK, args, calls))
+        times["chosen"].append(median_wall_s(lambda: run_at(chosen, args), calls) * 1e3)
+        times["training"].append(median_wall_s(lambda: run_at(TRAINING_CHUNK, args), calls) * 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

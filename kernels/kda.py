@@ -390,8 +390,8 @@ def kda(
 def inference_chunk_size(T: int) -> int | None:
     """The torch path's chunk for a forward of T tokens without gradient (a rollout engine's
     prefill, a no-grad logprob pass), None for token by token. Short inputs take small chunks: a
-    32-token prompt padded to one 64-token chunk took 2.6-3.1x the time of two 16-token chunks;
-    up to 8 tokens the recurrence is cheaper still (7-40x). Chunks of 64 stay for training, measured
+    32-token prompt padded to one 64-token chunk took 2.9-4.2x the time of two 16-token chunks;
+    up to 8 tokens the recurrence is cheaper still (7.5-37x). Chunks of 64 stay for training, measured
     fastest forward and backward. (benchmarks/kda_prefill_cpu.py)"""
     if T <= _RECURRENT_MAX_T:
         return None
