@@ -1,4 +1,4 @@
-"""The native engine's decode forward at fixed shapes, replayed as CUDA graphs.
+"""The native engine's decode forward at fixed shapes, replayed as CUDA graphs (and short prefills).
 
 A decode step of the hybrid is thousands of small kernels; launched one at a time from Python the
 step is bound by the launches, not by the GPU. Captured once per shape in a CUDA graph, a step is
@@ -16,6 +16,10 @@ launch with reading the last one's tokens).
 The graphs hold the addresses of the model's weights and of the cache's tensors: weight updates
 copy into the weights in place, so the graphs follow them; a cache released and allocated again
 (colocated runs) has new tensors, so its graphs are dropped and captured again.
+
+Short prefills (tool results, a turn's few tokens) are launch-bound on a GPU the same way: a
+forward of `width` tokens per row (padded to a token bucket, padding masked) is captured per
+(batch, width, keys) shape too, uncompiled (`step` with token lists longer than one).
 
 Without CUDA (or with graphs off) the same fixed-shape step runs eagerly, which is how it is tested
 against the engine's variable-shape forward on a CPU. The step can also be compiled (`compile=True`:
@@ -38,8 +42,11 @@ from policy.slot_cache import SlotCache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 MIN_KEY_BUCKET = 64  # past-key buckets are powers of two from here
-# a step's inputs of one value per row, first in its packed input tensor (the past keys' two follow)
-_ROW_COLUMNS = ("ids", "source", "slots", "lengths", "write_index", "new_valid")
+MIN_TOKEN_BUCKET = 16  # a prefill's tokens per row: powers of two from here (few widths, few graphs)
+# a step's inputs, in the order of its packed input tensor: one value per row, then `width` per row,
+# then the past keys' two of `keys` per row
+_ROW_COLUMNS = ("source", "slots", "lengths")
+_TOKEN_COLUMNS = ("ids", "write_index", "new_valid")
 
 
 def batch_bucket(n: int) -> int:
@@ -52,38 +59,48 @@ def key_bucket(n: int) -> int:
     return max(MIN_KEY_BUCKET, 1 << max(n - 1, 0).bit_length())
 
 
+def token_bucket(n: int) -> int:
+    """Tokens per row of a step: 1 for decode, else the prefill bucket holding n."""
+    return 1 if n == 1 else max(MIN_TOKEN_BUCKET, 1 << (n - 1).bit_length())
+
+
 class _Buffers:
     """One shape's inputs and outputs, at fixed addresses. The inputs are column ranges of one int64
     tensor, filled on the host in a (pinned) staging copy and sent in one transfer a step."""
 
-    def __init__(self, batch: int, keys: int, device: torch.device) -> None:
-        # ids, source, slots, lengths, write_index, new_valid: [B, 1]; past_index, past_valid: [B, keys]
-        # (the valid flags as 0/1: the step turns them into masks; source: -1, or the row of the
+    def __init__(self, batch: int, width: int, keys: int, device: torch.device) -> None:
+        # source, slots, lengths: [B, 1]; ids, write_index, new_valid: [B, width]; past_index, past_valid:
+        # [B, keys] (the valid flags as 0/1: the step turns them into masks; source: -1, or the row of the
         # fed-back tokens that is this row's input instead of ids)
-        widths = {**{name: 1 for name in _ROW_COLUMNS}, "past_index": keys, "past_valid": keys}
+        widths = {**{name: 1 for name in _ROW_COLUMNS}, **{name: width for name in _TOKEN_COLUMNS},
+                  "past_index": keys, "past_valid": keys}
         self.columns: dict[str, slice] = {}
         start = 0
-        for name, width in widths.items():
-            self.columns[name] = slice(start, start + width)
-            start += width
-        self.keys = keys
+        for name, w in widths.items():
+            self.columns[name] = slice(start, start + w)
+            start += w
+        self.width, self.keys = width, keys
         self.packed = torch.zeros(batch, start, dtype=torch.long, device=device)
         self.staging = torch.zeros(self.packed.shape, dtype=torch.long, pin_memory=device.type == "cuda")
         self.sent: torch.cuda.Event | None = None  # the last transfer out of `staging`
         self.logits: torch.Tensor | None = None  # [B, vocab] float32: the last step's (a graph's output)
-        self.routing: torch.Tensor | None = None  # [B, n_moe, k]: the last step's, when recorded
+        self.routing: torch.Tensor | None = None  # [B, width, n_moe, k]: the last step's, when recorded
 
     def column(self, name: str) -> torch.Tensor:
         return self.packed[:, self.columns[name]]
 
     def unpacked(self) -> dict[str, torch.Tensor]:
-        """Every column, cut by the packed tensor's own width rather than the stored slices: under
-        torch.compile with symbolic sizes the cuts are then symbolic too (stored ints are guarded)."""
-        n = len(_ROW_COLUMNS)
-        keys = (self.packed.shape[1] - n) // 2
+        """Every column, the past keys' cut by the packed tensor's own width rather than the stored
+        slices: under torch.compile with symbolic sizes that cut is then symbolic too (stored ints are
+        guarded; `width` is one per compiled step)."""
         cols = {name: self.packed[:, i:i + 1] for i, name in enumerate(_ROW_COLUMNS)}
-        cols["past_index"] = self.packed[:, n:n + keys]
-        cols["past_valid"] = self.packed[:, n + keys:]
+        start = len(_ROW_COLUMNS)
+        for name in _TOKEN_COLUMNS:
+            cols[name] = self.packed[:, start:start + self.width]
+            start += self.width
+        keys = (self.packed.shape[1] - start) // 2
+        cols["past_index"] = self.packed[:, start:start + keys]
+        cols["past_valid"] = self.packed[:, start + keys:]
         return cols
 
 
@@ -101,8 +118,8 @@ class DecodeGraphs:
         # on a CPU both sizes are symbolic from the first compile (`_allocate`): a whole-step compile takes
         # tens of seconds there, and the static and symbolic steps ran at the same speed
         self._symbolic = compile and not self.use_graphs
-        self._buffers: dict[tuple[int, int], _Buffers] = {}
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._buffers: dict[tuple[int, int, int], _Buffers] = {}  # by (batch, width, keys)
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None  # one memory pool for every graph: they never run at once
         self._cache_tensors: tuple[int, ...] = ()
         self.captured = 0  # graphs captured so far (EngineStats)
@@ -110,52 +127,61 @@ class DecodeGraphs:
         self.capture_error: str | None = None  # why capturing failed (decoding then stays eager)
 
     @torch.no_grad()
-    def step(self, slots: list[int], tokens: list[int], sources: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed each slot[b] one token (every slot's blocks reserved): tokens[b], or where
-        sources[b] >= 0, fed_back[sources[b]]. Returns the next-token logits [B, vocab] float32 and,
-        when recorded, the routing [B, n_moe, k]: views of the graph's output buffers, which the
-        next step overwrites (whatever reads them must be queued before it). The KDA states and
-        keys are written and the slots' lengths advanced."""
+    def step(self, slots: list[int], tokens: list[list[int]], sources: list[int]
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed each slot[b] the tokens[b] (every slot's blocks reserved; where sources[b] >= 0 its
+        one token is fed_back[sources[b]] instead). Returns the logits after each row's last token
+        [B, vocab] float32 and, when recorded, the routing [B, width, n_moe, k] (row b's first
+        len(tokens[b]) real): views of the graph's output buffers, which the next step of that shape
+        overwrites (whatever reads them must be queued before it). The KDA states and keys are
+        written and the slots' lengths advanced."""
         n = len(slots)
-        shape = (batch_bucket(n), key_bucket(max(self.cache.lengths[s] for s in slots)))
+        shape = (batch_bucket(n), token_bucket(max(map(len, tokens))),
+                 key_bucket(max(self.cache.lengths[s] for s in slots)))
         buf = self._buffers.get(shape) or self._allocate(*shape)
         self._fill(buf, slots, tokens, sources)
         if self.use_graphs:
             self._replay(shape, buf)
         else:
             self._run(buf)
-        self.cache.advance(slots, [1] * n)
+        self.cache.advance(slots, [len(t) for t in tokens])
         return buf.logits[:n], None if buf.routing is None else buf.routing[:n]
 
     # ---- inputs ------------------------------------------------------------------------------
-    def _allocate(self, batch: int, keys: int) -> _Buffers:
-        buf = self._buffers[(batch, keys)] = _Buffers(batch, keys, self.device)
-        if self._symbolic:  # one graph for every bucket (a batch of one, which dynamo specialises, has its own)
+    def _allocate(self, batch: int, width: int, keys: int) -> _Buffers:
+        buf = self._buffers[(batch, width, keys)] = _Buffers(batch, width, keys, self.device)
+        if self._symbolic and width == 1:  # one graph for every bucket (a batch of one, which dynamo specialises, has its own)
             torch._dynamo.mark_dynamic(buf.packed, 1)
             if batch > 1:
                 torch._dynamo.mark_dynamic(buf.packed, 0)
         return buf
 
-    def _fill(self, buf: _Buffers, slots: list[int], tokens: list[int], sources: list[int]) -> None:
-        """The batch into the buffers; rows past it read and write the scratch slot and block."""
-        n = len(slots)
-        past_index, past_valid, write_index, _ = self.cache.indices(slots, [1] * n, 1, buf.keys)
+    def _fill(self, buf: _Buffers, slots: list[int], tokens: list[list[int]], sources: list[int]) -> None:
+        """The batch into the buffers; rows past it, and tokens past a row's, read and write the
+        scratch slot and block."""
+        n, width = len(slots), buf.width
+        n_new = [len(t) for t in tokens]
+        past_index, past_valid, write_index, real = self.cache.indices(slots, n_new, width, buf.keys)
         if buf.sent is not None:
             buf.sent.synchronize()  # the last step's transfer has left the staging copy
         host, col = buf.staging.numpy(), buf.columns
-        real, pad = slice(0, n), slice(n, None)
-        host[real, col["ids"]] = np.asarray(tokens)[:, None]
-        host[real, col["source"]] = np.asarray(sources)[:, None]
-        host[real, col["slots"]] = np.asarray(slots)[:, None]
-        host[real, col["lengths"]] = np.asarray([self.cache.lengths[s] for s in slots])[:, None]
-        host[real, col["write_index"]] = write_index
-        host[real, col["past_index"]] = past_index
-        host[real, col["past_valid"]] = past_valid
+        rows, pad = slice(0, n), slice(n, None)
+        ids = np.zeros((n, width), dtype=np.int64)
+        for b, t in enumerate(tokens):
+            ids[b, :len(t)] = t
+        host[rows, col["ids"]] = ids
+        host[rows, col["source"]] = np.asarray(sources)[:, None]
+        host[rows, col["slots"]] = np.asarray(slots)[:, None]
+        host[rows, col["lengths"]] = np.asarray([self.cache.lengths[s] for s in slots])[:, None]
+        host[rows, col["write_index"]] = write_index
+        host[rows, col["new_valid"]] = real
+        host[rows, col["past_index"]] = past_index
+        host[rows, col["past_valid"]] = past_valid
         host[pad] = 0
         host[pad, col["source"]] = -1
         host[pad, col["slots"]] = self.cache.scratch_slot
         host[pad, col["write_index"]] = self.cache.num_blocks * self.cache.block_size
-        host[:, col["new_valid"]] = 1  # a padding row attends to its own key
+        host[pad, col["new_valid"].start] = 1  # a padding row has one token, attending to its own key
         buf.packed.copy_(buf.staging, non_blocking=True)
         if self.device.type == "cuda":
             buf.sent = torch.cuda.Event()
@@ -165,23 +191,26 @@ class DecodeGraphs:
     def _run(self, buf: _Buffers) -> None:
         # on a GPU, experts without a grouped GEMM (float32) run at a fixed capacity: capturable
         with fixed_capacity_experts() if self.use_graphs else contextlib.nullcontext():
-            self._step_fn(buf)
+            # a prefill stays uncompiled: a compile per width and batch would cost more than it saves
+            (self._step_fn if buf.width == 1 else self._forward)(buf)
 
     def _forward(self, buf: _Buffers) -> None:
         col = buf.unpacked()
         slots = col["slots"][:, 0]
+        new_valid = col["new_valid"] != 0
         view = self.cache.view_of(slots, col["past_index"], col["past_valid"] != 0, col["write_index"],
-                                  col["new_valid"] != 0, col["lengths"][:, 0])
+                                  new_valid, col["lengths"][:, 0])
         source = col["source"]
         ids = torch.where(source >= 0, self.fed_back[source.clamp(min=0)], col["ids"])
-        out = self.model(ids, cache=view, use_cache=True, logits_to_keep=1, return_routing=self.record_routing)
+        out = self.model(ids, cache=view, use_cache=True, logits_to_keep=1, return_routing=self.record_routing,
+                         token_mask=new_valid if buf.width > 1 else None)
         self.cache.write_states(slots, out.cache)
         # the forward's own outputs, not copies: inside a graph they keep their addresses at every replay
         buf.logits = out.logits[:, -1]
         if self.record_routing and out.routing is not None:
-            buf.routing = out.routing[:, -1]
+            buf.routing = out.routing
 
-    def _replay(self, shape: tuple[int, int], buf: _Buffers) -> None:
+    def _replay(self, shape: tuple[int, int, int], buf: _Buffers) -> None:
         tensors = self.cache.tensor_ids()
         if tensors != self._cache_tensors:  # a released and re-allocated cache: new addresses
             self._graphs.clear()

@@ -96,7 +96,7 @@ class NativeEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, max_slots: int = 64, cache_tokens: int = 65536,
                  block_size: int = BLOCK_SIZE, max_batch_tokens: int = 2048, record_routing: bool = True,
                  name: str = "native", decode_graphs: bool | None = None, compile_decode: bool = False,
-                 decode_feed_tokens: int = 0, overlap: bool | None = None) -> None:
+                 decode_feed_tokens: int = 0, prefill_graph_tokens: int = 0, overlap: bool | None = None) -> None:
         """decode_graphs: decode at fixed shapes replayed as CUDA graphs; None means on a GPU. True on a
         CPU runs the fixed-shape step eagerly (what the graphs replay, for tests). compile_decode: that
         fixed-shape step compiled with torch.compile (on a GPU, what the graphs capture).
@@ -104,7 +104,10 @@ class NativeEngine(RolloutEngine):
         one token a step inside the decode batch instead of by a prefill forward of their own: meant
         for CUDA graphs, where a replayed step costs less than an eager prefill's launches and the
         other sequences keep decoding meanwhile (on a CPU it only adds steps); in the GPU pipeline
-        (benchmarks/RESULTS.md) it made rollout slower, so it is off by default. overlap: launch
+        (benchmarks/RESULTS.md) it made rollout slower, so it is off by default. prefill_graph_tokens:
+        with the fixed-shape step (decode_graphs), rows feeding 2 to this many tokens (tool results,
+        a turn's short inputs) are prefilled by it too, padded to a token bucket (on a GPU a replayed
+        graph instead of an eager forward's launches); longer ones by the general forward. overlap: launch
         each step before reading the last one's tokens back; None means on a GPU (on a CPU the
         steps run in order anyway: True there runs the same bookkeeping, for tests)."""
         self.model = model.eval()
@@ -131,6 +134,9 @@ class NativeEngine(RolloutEngine):
         if decode_feed_tokens < 0:
             raise ValueError(f"NativeEngine: decode_feed_tokens must be >= 0, got {decode_feed_tokens}")
         self.decode_feed_tokens = decode_feed_tokens
+        if prefill_graph_tokens < 0:
+            raise ValueError(f"NativeEngine: prefill_graph_tokens must be >= 0, got {prefill_graph_tokens}")
+        self.prefill_graph_tokens = prefill_graph_tokens if self._graphs is not None else 0
         self.seqs: dict[str, _Seq] = {}
         self.version = -1
         self._stats = EngineStats()
@@ -365,11 +371,15 @@ class NativeEngine(RolloutEngine):
                 if s.fed == len(s.tokens) + spec[b]:
                     ready[id(s)] = (s, b, row)
             parts.append(logits)
-        if prefill:
-            offset = len(decode)
-            seqs = [s for s, _ in prefill]
-            logits, routing = self._feed(seqs, [n for _, n in prefill], [-1] * len(seqs))
-            for b, (s, n) in enumerate(prefill):
+        # short inputs through the fixed-shape step (when on), longer ones through the general forward
+        short = [(s, n) for s, n in prefill if n <= self.prefill_graph_tokens]
+        for group in (short, [(s, n) for s, n in prefill if n > self.prefill_graph_tokens]):
+            if not group:
+                continue
+            offset = sum(p.shape[0] for p in parts)
+            seqs = [s for s, _ in group]
+            logits, routing = self._feed(seqs, [n for _, n in group], [-1] * len(seqs))
+            for b, (s, n) in enumerate(group):
                 row = _Row(s, s.epoch, routing=None if routing is None else (routing, b, n))
                 launch.rows.append(row)
                 if s.fed == len(s.tokens):
@@ -483,15 +493,14 @@ class NativeEngine(RolloutEngine):
     def _feed(self, seqs: list[_Seq], take: list[int], sources: list[int]
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed seqs[b] its next take[b] tokens (one token from the device where sources[b] >= 0):
-        the fixed-shape step for one token each, else the general forward. Returns the last fed
+        the fixed-shape step for one token each or up to `prefill_graph_tokens`, else the general
+        forward. Returns the last fed
         token's logits [B, vocab] float32 (on the device; a decode step's are overwritten by the
         next one) and, when recorded, the routing on the host [B, T, n_moe, k] int16, valid once the
         step's event has passed."""
-        if self._graphs is not None and max(take) == 1:
-            logits, routing = self._graphs.step([s.slot for s in seqs],
-                                                [0 if src >= 0 else s.tokens[s.fed] for s, src in zip(seqs, sources)],
-                                                sources)
-            routing = None if routing is None else routing[:, None]
+        if self._graphs is not None and (max(take) == 1 or max(take) <= self.prefill_graph_tokens):
+            tokens = [[0] if src >= 0 else s.tokens[s.fed:s.fed + n] for s, n, src in zip(seqs, take, sources)]
+            logits, routing = self._graphs.step([s.slot for s in seqs], tokens, sources)
             self._stats.extra["graphs_captured"] = float(self._graphs.captured)
             self._stats.extra["graph_capture_s"] = self._graphs.capture_s
             if self._graphs.capture_error is not None:

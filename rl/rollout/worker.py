@@ -58,6 +58,7 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
                               max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing,
                               decode_graphs=cfg.cuda_graphs and device.type == "cuda",
                               compile_decode=cfg.compile_decode, decode_feed_tokens=cfg.decode_feed_tokens,
+                              prefill_graph_tokens=cfg.prefill_graph_tokens,
                               overlap=cfg.overlap_decode and device.type == "cuda")
         engine.version = version
         return engine

@@ -4,6 +4,7 @@ give."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import zlib
 
 import pytest
@@ -105,8 +106,41 @@ def test_the_fixed_shape_decode_step_equals_the_general_forward(model, greedy):
         for x, y in zip(a[sid][:-1], b[sid][:-1]):
             torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
         assert (a[sid][-1].routing == b[sid][-1].routing).all()
-    shapes = set(fixed._graphs._buffers)
-    assert (16, 128) in shapes and (16, 256) in shapes, shapes  # 15 sequences in a batch of 16
+    shapes = set(fixed._graphs._buffers)  # (batch, tokens per row, past keys)
+    assert (16, 1, 128) in shapes and (16, 1, 256) in shapes, shapes  # 15 sequences in a batch of 16
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_short_prefills_through_the_fixed_shape_step_equal_the_general_forward(model, greedy, device):
+    """prefill_graph_tokens: inputs of up to 40 tokens (tool results of 3-10, prompts of 3 and 34)
+    prefilled by the fixed-shape step (what a CUDA graph replays), padded to 16 / 32 / 64 tokens a
+    row with padding rows on the scratch slot, beside longer prompts (65-127 tokens) in the general
+    forward of the same launch: the same tokens, logprobs and routing as the general forward alone.
+    On a GPU the step is captured and replayed as CUDA graphs (decoding in both engines)."""
+    gen = torch.Generator().manual_seed(9)
+    groups = {f"g{k}": (torch.randint(10, 300, (3 + 31 * k,), generator=gen).tolist(), list(range(3)))
+              for k in range(5)}
+    model = copy.deepcopy(model).to(device)
+    general = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=True)
+    fixed = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=True, prefill_graph_tokens=40)
+    a = asyncio.run(play(general, groups, greedy=greedy, n=10))
+    b = asyncio.run(play(fixed, groups, greedy=greedy, n=10))
+    assert tokens_of(a) == tokens_of(b)
+    for sid in a:
+        for x, y in zip(a[sid][:-1], b[sid][:-1]):
+            torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
+        assert (a[sid][-1].routing == b[sid][-1].routing).all()
+    assert fixed.stats().prefill_tokens == general.stats().prefill_tokens
+    assert fixed._graphs.captured == (len(fixed._graphs._buffers) if device == "cuda" else 0)
+    widths = {width for _, width, _ in fixed._graphs._buffers}
+    assert widths == {1, 16, 64}, widths  # decode; tool results and the 3-token prompt; the 34-token prompt
+    assert {width for _, width, _ in general._graphs._buffers} == {1}
+    assert engine(model, prefill_graph_tokens=40).prefill_graph_tokens == 0  # nothing to run it without the step
+    assert build_engine(TOY, RolloutConfig(prefill_graph_tokens=24, compile_decode=True), seed=0).prefill_graph_tokens == 24
+    with pytest.raises(ValueError, match="prefill_graph_tokens"):
+        engine(model, decode_graphs=True, prefill_graph_tokens=-1)
 
 
 def test_the_compiled_decode_step_equals_the_general_forward(model):
