@@ -150,7 +150,6 @@ def _intra_chunk_grams(q: Tensor, k: Tensor, gam: Tensor, sub: int) -> tuple[Ten
         sub = C
     ns = C // sub
     lead = k.shape[:-2]
-    neg_inf = torch.tensor(float("-inf"), dtype=gam.dtype, device=gam.device)
 
     # Pairs inside a sub-block: exact pairwise differences, upper triangle masked before exp.
     gb = gam.reshape(*lead, ns, sub, K)
@@ -158,7 +157,7 @@ def _intra_chunk_grams(q: Tensor, k: Tensor, gam: Tensor, sub: int) -> tuple[Ten
     xb = torch.stack((q.reshape(*lead, ns, sub, K), kb), dim=-1)  # [..., ns, sub, K, 2]
     incl = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
     diff = gb.unsqueeze(-2) - gb.unsqueeze(-3)  # [..., ns, r, c, K]
-    decay = torch.where(incl[:, :, None], diff, neg_inf).exp()
+    decay = diff.masked_fill(~incl[:, :, None], float("-inf")).exp()  # (no host tensor: capturable in a CUDA graph)
     diag = torch.matmul(decay * kb.unsqueeze(-3), xb)  # [..., ns, r, c, 2]
     eye_ns = torch.eye(ns, dtype=k.dtype, device=k.device)
     # Place the ns diagonal blocks on the block diagonal of a [C, C] matrix.
@@ -178,7 +177,7 @@ def _intra_chunk_grams(q: Tensor, k: Tensor, gam: Tensor, sub: int) -> tuple[Ten
             torch.arange(C - sub, device=k.device)[None, :]
             < (torch.arange(1, ns, device=k.device)[:, None] * sub)
         )  # [ns-1, C-sub]
-        expo = torch.where(col_ok[:, :, None], piv.unsqueeze(-2) - cols.unsqueeze(-3), neg_inf)
+        expo = (piv.unsqueeze(-2) - cols.unsqueeze(-3)).masked_fill(~col_ok[:, :, None], float("-inf"))
         right = k[..., : C - sub, :].unsqueeze(-3) * expo.exp()  # [..., ns-1, C-sub, K]
         left = torch.cat((lq, lk), dim=-2)  # [..., ns-1, 2*sub, K]
         off = torch.matmul(left, right.transpose(-1, -2))  # [..., ns-1, 2*sub, C-sub]

@@ -31,6 +31,7 @@ elementwise chains that inductor's Triton kernels fuse: the compiled step is wha
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import warnings
 
@@ -241,6 +242,11 @@ class DecodeGraphs:
         buf.column("source").fill_(-1)
         buf.column("past_valid").fill_(0)
         buf.column("write_index").fill_(self.cache.num_blocks * self.cache.block_size)
+        # no garbage collection while capturing: a collection in any thread that frees another graph
+        # (an engine dropped before this one) destroys it mid-capture, and the capture fails
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -254,6 +260,8 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self._pool):
                 self._run(buf)
         finally:
+            if collecting:
+                gc.enable()
             buf.packed.copy_(real)
         torch.cuda.synchronize(self.device)
         self.captured += 1

@@ -229,6 +229,11 @@ class NativeEngine(RolloutEngine):
                 torch.cuda.empty_cache()
             return freed
 
+    @property
+    def graph_capture_error(self) -> str | None:
+        """Why capturing a CUDA graph failed (the engine then runs every step eagerly), or None."""
+        return None if self._graphs is None else self._graphs.capture_error
+
     def stats(self) -> EngineStats:
         s = self._stats
         s.running = sum(q.slot is not None for q in self.seqs.values())
