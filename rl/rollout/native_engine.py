@@ -1,6 +1,7 @@
 """The native rollout engine: our hybrid policy served with continuous batching.
 
-Sequences join and leave the running batch at every step. A step runs at most two forwards: one
+Sequences join and leave the running batch at every step. A step runs at most two forwards (three
+with `prefill_graph_tokens`): one
 decode forward over every sequence with exactly one token to feed (and, with `decode_feed_tokens`,
 every one with a short input: fed a token a step, beside the others' decoding), and one prefill
 forward over sequences with several (a new group's prompt, a tool result), right-padded and bounded
@@ -12,7 +13,9 @@ When the cache runs out of blocks, the newest sequence is preempted: its memory 
 is prefilled again from its tokens when room returns (recomputation, as vLLM does).
 
 On a GPU the decode forward runs at fixed shapes, captured once per shape as a CUDA graph
-(rl/rollout/decode_graphs.py): one launch per step instead of thousands.
+(rl/rollout/decode_graphs.py): one launch per step instead of thousands. With
+`prefill_graph_tokens` the short inputs of a step go through that step too, padded to a token
+bucket, in a forward of their own (longer ones keep the eager prefill forward).
 
 Tokens are sampled on the model's device. With `overlap` (on a GPU by default) a step is launched
 before the last one's tokens are read back: the host's scheduling and bookkeeping run while the GPU
