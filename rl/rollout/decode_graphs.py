@@ -226,6 +226,10 @@ class DecodeGraphs:
                 self.capture_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 warnings.warn(f"native engine: CUDA graph capture failed ({self.capture_error}); decoding eagerly",
                               RuntimeWarning, stacklevel=2)
+                # the step's inputs again: a failed capture can leave them pointing at the scratch slot
+                # (its own restore may fail on a stream left in a capture error), and a step run on those
+                # would feed no real sequence and sample from logits without their past
+                buf.packed.copy_(buf.staging)
                 self._run(buf)
                 return
             self._graphs[shape] = graph
@@ -234,10 +238,9 @@ class DecodeGraphs:
     def _capture(self, buf: _Buffers) -> torch.cuda.CUDAGraph:
         """Warm up (kernels compiled and tuned, output buffers made) and capture on a side stream,
         with the buffers pointing at the scratch slot and block: neither run may change a real
-        sequence's state. The caller fills the buffers again before replaying."""
+        sequence's state. The step's inputs are sent again from `staging` afterwards."""
         torch.cuda.synchronize(self.device)  # (rare: the time it takes is recorded alone)
         started = time.perf_counter()
-        real = buf.packed.clone()
         buf.column("slots").fill_(self.cache.scratch_slot)
         buf.column("source").fill_(-1)
         buf.column("past_valid").fill_(0)
@@ -262,7 +265,7 @@ class DecodeGraphs:
         finally:
             if collecting:
                 gc.enable()
-            buf.packed.copy_(real)
+            buf.packed.copy_(buf.staging)
         torch.cuda.synchronize(self.device)
         self.captured += 1
         self.capture_s += time.perf_counter() - started

@@ -163,11 +163,18 @@ def test_the_compiled_decode_step_equals_the_general_forward(model):
             torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
 
 
-def test_a_failed_graph_capture_leaves_decoding_eager(model, monkeypatch):
-    e = engine(model, max_slots=4, cache_tokens=1024, decode_graphs=True)
+@pytest.mark.parametrize("prefill_graph_tokens", [0, 40])
+def test_a_failed_graph_capture_leaves_decoding_eager(model, monkeypatch, prefill_graph_tokens):
+    """A capture that fails part-way, its inputs left pointing at the scratch slot (as when a stream
+    left in a capture error cannot restore them), gives the eager engine's tokens: the step runs
+    again on its real inputs."""
+    e = engine(model, max_slots=4, cache_tokens=1024, decode_graphs=True, prefill_graph_tokens=prefill_graph_tokens)
     e._graphs.use_graphs = True  # as on a GPU; capturing then fails as an op that cannot be captured would
 
     def fail(buf):
+        buf.column("slots").fill_(e.cache.scratch_slot)
+        buf.column("past_valid").fill_(0)
+        buf.column("write_index").fill_(e.cache.num_blocks * e.cache.block_size)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(e._graphs, "_capture", fail)
