@@ -262,7 +262,7 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
             "graphs_captured": engine.stats().extra.get("graphs_captured", 0.0),
             "host_ms": {k: v / new * 1e3 for k, v in phases.items()}, "gpu_ms": timeline,
             "wall_tok_s": seqs * new / wall_s,
-            "capture_error": engine._graphs.capture_error if engine._graphs is not None else None,
+            "capture_error": engine.graph_capture_error,
             "tokens": [tokens[i] for i in range(seqs)]}
 
 
@@ -375,7 +375,7 @@ def replay_alone_ms(engine, repeats: int = 20) -> dict | None:
     graphs = engine._graphs._graphs if engine._graphs is not None else {}
     if not graphs or not torch.cuda.is_available():
         return None
-    graph = graphs[max(graphs)]
+    graph = graphs[max(graphs)]  # (batch, width, keys): the largest decode batch (widths are 1 here)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
