@@ -83,8 +83,9 @@ def main() -> None:
         row = {"sequences": n}
         drawn = {}
         for name, tokens in (("eager prefill", 0), ("prefill graphs", args.graph_tokens)):
-            engine = NativeEngine(model, max_slots=n, cache_tokens=n * (args.prompt + args.rounds * (args.result + args.new) + 64),
-                                  decode_graphs=True, prefill_graph_tokens=tokens)
+            per_sequence = args.prompt + args.rounds * (args.result + args.new) + 64
+            engine = NativeEngine(model, max_slots=n, cache_tokens=n * per_sequence, decode_graphs=True,
+                                  prefill_graph_tokens=tokens)
             engine.version = 0
             times, drawn[name] = play(engine, prompts, results, args.new, args.rounds)
             stats = engine.stats().extra

@@ -92,8 +92,9 @@ def main() -> None:
         f"products {products * 1e3:.2f} ms ({products / wall:.0%})")
     for op, t in sorted(per_op.items(), key=lambda kv: -kv[1])[:8]:
         log(f"  {op[:60]:60s} {t * 1e3:7.3f} ms a step")
-    log(f"transformers generate: {hf_rate:.0f} tok/s; this step {args.seqs / wall:.0f} tok/s = {args.seqs / wall / hf_rate:.1f}x; "
-        f"its products alone would allow {args.seqs / products:.0f} tok/s = {args.seqs / products / hf_rate:.1f}x")
+    step_rate, products_rate = args.seqs / wall, args.seqs / products
+    log(f"transformers generate: {hf_rate:.0f} tok/s; this step {step_rate:.0f} tok/s = {step_rate / hf_rate:.1f}x; "
+        f"its products alone would allow {products_rate:.0f} tok/s = {products_rate / hf_rate:.1f}x")
 
 
 if __name__ == "__main__":

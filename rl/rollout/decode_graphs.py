@@ -151,7 +151,8 @@ class DecodeGraphs:
     # ---- inputs ------------------------------------------------------------------------------
     def _allocate(self, batch: int, width: int, keys: int) -> _Buffers:
         buf = self._buffers[(batch, width, keys)] = _Buffers(batch, width, keys, self.device)
-        if self._symbolic and width == 1:  # one graph for every bucket (a batch of one, which dynamo specialises, has its own)
+        # one graph for every decode bucket (a batch of one, which dynamo specialises, has its own)
+        if self._symbolic and width == 1:
             torch._dynamo.mark_dynamic(buf.packed, 1)
             if batch > 1:
                 torch._dynamo.mark_dynamic(buf.packed, 0)

@@ -6,7 +6,8 @@ with `prefill_graph_tokens`): one decode forward over every sequence with exactl
 others' decoding), and one prefill forward over sequences with several (a new group's prompt, a
 tool result), right-padded and bounded by `max_batch_tokens` (longer inputs are fed in chunks over
 several steps). Each sequence lives in a cache slot (policy.slot_cache): KDA states per slot, MLA
-keys in shared blocks, so no step copies another sequence's cache. A group's prompt is prefilled once and forked into its members.
+keys in shared blocks, so no step copies another sequence's cache. A group's prompt is prefilled
+once and forked into its members.
 
 When the cache runs out of blocks, the newest sequence is preempted: its memory is freed, and it
 is prefilled again from its tokens when room returns (recomputation, as vLLM does).
