@@ -73,6 +73,23 @@ def tokens_of(result: dict[str, list]) -> dict[str, list[list[int]]]:
     return {sid: [turn[0] for turn in rec[:-1]] for sid, rec in result.items()}
 
 
+def prompts_of_3_to_127_tokens() -> dict[str, tuple[list[int], list[int]]]:
+    """Five groups of three, prompts of 3, 34, 65, 96 and 127 tokens."""
+    gen = torch.Generator().manual_seed(9)
+    return {f"g{k}": (torch.randint(10, 300, (3 + 31 * k,), generator=gen).tolist(), list(range(3)))
+            for k in range(5)}
+
+
+def assert_same_turns(a: dict[str, list], b: dict[str, list], routing: bool = True) -> None:
+    """Two engines' plays of the same groups: the same tokens, logprobs to 1e-4 and (if asked) routing."""
+    assert tokens_of(a) == tokens_of(b)
+    for sid in a:
+        for x, y in zip(a[sid][:-1], b[sid][:-1]):
+            torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
+        if routing:
+            assert (a[sid][-1].routing == b[sid][-1].routing).all()
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_continuous_batching_equals_one_sequence_at_a_time(model, greedy):
     groups = prompts(4)
@@ -94,18 +111,12 @@ def test_the_fixed_shape_decode_step_equals_the_general_forward(model, greedy):
     """What the CUDA graphs replay (rl/rollout/decode_graphs.py), run eagerly: batches padded to a
     bucket with the scratch slot, past keys padded to a power of two (to 128, then 256 here), the
     same tokens, logprobs and routing as the engine's variable-shape forward."""
-    gen = torch.Generator().manual_seed(9)
-    groups = {f"g{k}": (torch.randint(10, 300, (3 + 31 * k,), generator=gen).tolist(), list(range(3)))
-              for k in range(5)}  # 15 sequences in flight: a batch of 16 (one padding row), then fewer
+    groups = prompts_of_3_to_127_tokens()  # 15 sequences in flight: a batch of 16 (one padding row), then fewer
     general = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=False)
     fixed = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=True)
     a = asyncio.run(play(general, groups, greedy=greedy, n=10))
     b = asyncio.run(play(fixed, groups, greedy=greedy, n=10))
-    assert tokens_of(a) == tokens_of(b)
-    for sid in a:
-        for x, y in zip(a[sid][:-1], b[sid][:-1]):
-            torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
-        assert (a[sid][-1].routing == b[sid][-1].routing).all()
+    assert_same_turns(a, b)
     shapes = set(fixed._graphs._buffers)  # (batch, tokens per row, past keys)
     assert (16, 1, 128) in shapes and (16, 1, 256) in shapes, shapes  # 15 sequences in a batch of 16
 
@@ -122,19 +133,13 @@ def test_short_prefills_through_the_fixed_shape_step_equal_the_general_forward(m
     row with padding rows on the scratch slot, beside longer prompts (65-127 tokens) in the general
     forward of the same launch: the same tokens, logprobs and routing as the general forward alone.
     On a GPU the step is captured and replayed as CUDA graphs (decoding in both engines)."""
-    gen = torch.Generator().manual_seed(9)
-    groups = {f"g{k}": (torch.randint(10, 300, (3 + 31 * k,), generator=gen).tolist(), list(range(3)))
-              for k in range(5)}
+    groups = prompts_of_3_to_127_tokens()
     model = copy.deepcopy(model).to(device)
     general = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=True)
     fixed = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=True, prefill_graph_tokens=40)
     a = asyncio.run(play(general, groups, greedy=greedy, n=10))
     b = asyncio.run(play(fixed, groups, greedy=greedy, n=10))
-    assert tokens_of(a) == tokens_of(b)
-    for sid in a:
-        for x, y in zip(a[sid][:-1], b[sid][:-1]):
-            torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
-        assert (a[sid][-1].routing == b[sid][-1].routing).all()
+    assert_same_turns(a, b)
     assert fixed.stats().prefill_tokens == general.stats().prefill_tokens
     assert fixed._graphs.captured == (len(fixed._graphs._buffers) if device == "cuda" else 0)
     widths = {width for _, width, _ in fixed._graphs._buffers}
@@ -162,10 +167,7 @@ def test_the_compiled_decode_step_equals_the_general_forward(model):
     b = asyncio.run(play(engine(model, max_slots=16, cache_tokens=4096, compile_decode=True), groups, n=8))
     assert 1 <= counters["stats"]["unique_graphs"] - graphs_before <= 2
     assert sum(counters["graph_break"].values()) == breaks_before, dict(counters["graph_break"])
-    assert tokens_of(a) == tokens_of(b)
-    for sid in a:
-        for x, y in zip(a[sid][:-1], b[sid][:-1]):
-            torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
+    assert_same_turns(a, b, routing=False)
 
 
 @pytest.mark.parametrize("prefill_graph_tokens", [0, 40])
@@ -499,11 +501,7 @@ def test_short_inputs_fed_through_the_decode_batch_equal_prefill_forwards(model,
     fed = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=True, decode_feed_tokens=12)
     a = asyncio.run(play(prefilled, groups, greedy=greedy))
     b = asyncio.run(play(fed, groups, greedy=greedy))
-    assert tokens_of(a) == tokens_of(b)
-    for sid in a:
-        for x, y in zip(a[sid][:-1], b[sid][:-1]):
-            torch.testing.assert_close(torch.tensor(x[1]), torch.tensor(y[1]), atol=1e-4, rtol=0)
-        assert (a[sid][-1].routing == b[sid][-1].routing).all()
+    assert_same_turns(a, b)
     # the inputs took decode steps: more steps, and their tokens but each one's last counted as prefill
     inputs = (sum(1 for _, members in groups.values() for m in members for t in range(3) if tool_result(m, t))
               + sum(1 for prompt, _ in groups.values() if len(prompt) <= 12))  # tool results, the short prompts
