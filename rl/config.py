@@ -175,8 +175,8 @@ class RolloutConfig(Section):
     decode_feed_tokens: int = Field(default=0, ge=0)
     # native engine with CUDA graphs: inputs of 2 to this many tokens (tool results) are prefilled by a
     # graph of their padded shape too, instead of an eager forward's launches. On an H200 a round of tool
-    # results 3.9-6.0x faster, but in configs/gpu_small.yaml's pipeline no faster and its first step's
-    # logprobs off the learner's (a capture failing part-way, likely; fixed, not re-run: RESULTS.md), so 0
+    # results 3.9-6.0x faster, but in configs/gpu_small.yaml's pipeline not yet shown faster (its engines
+    # decoded eagerly after a failed re-capture, since changed: benchmarks/RESULTS.md), so 0
     prefill_graph_tokens: int = Field(default=0, ge=0, le=256)
     # native engine: the fixed-shape decode step compiled by torch.compile (one graph, symbolic batch
     # and key length: two compiles per engine). On a CPU 1.15-1.7x on steady decode benchmarks, but the

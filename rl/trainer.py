@@ -19,6 +19,7 @@ from rl.evaluation import effort_table, eval_table, summarise_eval
 from rl.hack_monitor import HackMonitor, responses_from_records
 from rl.metrics import MetricsLogger
 from rl.progress import StepProgress
+from rl.rollout.engine_api import EngineStats
 from rl.rollout.layout import episode_texts, reference_example
 from rl.rollout.scheduler import item_from_dict
 from rl.run_folder import (CHECKPOINTS, append_jsonl, latest_checkpoint, new_run_dir, read_json,
@@ -226,7 +227,7 @@ class Trainer:
         ray.get(actors.scheduler.start_training.remote(snapshot["next_index"], pending))
         self.phase(f"GRPO: steps {start_step}..{cfg.train.steps - 1}, {cfg.rollout.groups_per_step} groups of "
                    f"{cfg.rollout.group_size} a step, max_staleness {cfg.rollout.max_staleness}")
-        busy = _EngineClock(actors.rollout_workers)
+        pace = _EnginePace(actors.rollout_workers, self.say)
         health = _EnvHealth(actors.env_workers)
         hacks = HackMonitor()  # its history starts again on resume: a flag needs 2 windows of this process
         # colocated engines free their caches while the learner steps; asynchronous rollouts run
@@ -248,12 +249,12 @@ class Trainer:
                 metrics.update({
                     "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": sync_s, "time/step_s": t3 - t0,
                     "time/learner_idle_frac": (t1 - t0 + t3 - t2) / max(t3 - t0, 1e-9),
-                    "time/rollout_idle_frac": busy.idle_fraction(),
                     "throughput/samples_per_s": samples / max(t3 - t0, 1e-9),
                     "throughput/tokens_per_s": tokens / max(t3 - t0, 1e-9),
                     "rollout/tokens_per_s": tokens / max(t3 - t0, 1e-9),
                     "weights/version": float(step + 1),
                     **health.metrics(),
+                    **pace.metrics(),
                 })
                 hack_metrics, hack_warnings = hacks.observe(step, responses_from_records(report.records))
                 metrics.update(hack_metrics)
@@ -329,26 +330,63 @@ class _EnvHealth:
         return out
 
 
-class _EngineClock:
-    """The rollout engines' idle share since the last call (forward passes and sampling are busy)."""
+# the native engine's running totals (EngineStats.extra) the pace reads: host time launching steps,
+# host time waiting on the device for their results, time capturing CUDA graphs
+_PACE_EXTRAS = ("launch_s", "wait_s", "graph_capture_s")
 
-    def __init__(self, workers: list) -> None:
-        self.workers = workers
+
+class _EnginePace:
+    """What the rollout engines did since the last call, summed over workers: their idle share
+    (forward passes and sampling are busy), forward steps, milliseconds a step (of which launching
+    it on the host, and waiting for the device's results), tokens sampled a step (the mean decode
+    batch), prompt or environment tokens prefilled, seconds capturing CUDA graphs. Together they say
+    whether rollout waits on the engines (busy, big batches) or on the episodes (idle, small
+    batches), and an engine on the host (launching) or on the device (waiting)."""
+
+    def __init__(self, workers: list, say) -> None:
+        self.workers, self.say = workers, say
+        self.said: set[str] = set()  # engine problems already said (each once a run)
         self.last = self._read()
 
-    def _read(self) -> tuple[float, float]:
-        busy = 0.0
-        for ref in [w.stats.remote() for w in self.workers]:
+    def _read(self) -> tuple[float, EngineStats]:
+        total = EngineStats()
+        for i, ref in enumerate([w.stats.remote() for w in self.workers]):
             try:
-                busy += ray.get(ref).busy_s
+                s = ray.get(ref)
             except ray.exceptions.RayError:  # a worker restarting: its share counts as idle
-                pass
-        return time.monotonic(), busy
+                continue
+            for problem in s.problems:  # the workers' own logs do not reach the console
+                line = f"rollout worker {i}: {problem}"
+                if line not in self.said:
+                    self.said.add(line)
+                    self.say(line)
+            total.problems += s.problems
+            total.busy_s += s.busy_s
+            total.steps += s.steps
+            total.generated_tokens += s.generated_tokens
+            total.prefill_tokens += s.prefill_tokens
+            for key in _PACE_EXTRAS:
+                total.extra[key] = total.extra.get(key, 0.0) + s.extra.get(key, 0.0)
+        return time.monotonic(), total
 
-    def idle_fraction(self) -> float:
-        (t0, b0), (t1, b1) = self.last, self._read()
-        self.last = (t1, b1)
-        return max(0.0, 1.0 - (b1 - b0) / max((t1 - t0) * len(self.workers), 1e-9))
+    def metrics(self) -> dict[str, float]:
+        (t0, a), (t1, b) = self.last, self._read()
+        self.last = (t1, b)
+        # a restarted worker's counters start again at zero: never report a negative interval
+        busy, steps = max(0.0, b.busy_s - a.busy_s), max(0, b.steps - a.steps)
+        sampled = max(0, b.generated_tokens - a.generated_tokens)
+        prefilled = max(0, b.prefill_tokens - a.prefill_tokens)
+        out = {"time/rollout_idle_frac": max(0.0, 1.0 - busy / max((t1 - t0) * len(self.workers), 1e-9)),
+               "engine/busy_s": busy, "engine/prefill_tokens": float(prefilled),
+               "engine/problems": float(len(b.problems))}
+        extra = {key: max(0.0, b.extra[key] - a.extra[key]) for key in _PACE_EXTRAS}
+        if steps:  # the vLLM engine counts no steps of its own
+            out.update({"engine/steps": float(steps), "engine/step_ms": 1000 * busy / steps,
+                        "engine/tokens_per_step": sampled / steps,
+                        "engine/launch_ms": 1000 * extra["launch_s"] / steps,
+                        "engine/wait_ms": 1000 * extra["wait_s"] / steps,
+                        "engine/graph_capture_s": extra["graph_capture_s"]})
+        return out
 
 
 def train(config_path: str | None, overrides: list[str], resume: str | None = None, console=None) -> dict[str, Any]:

@@ -194,6 +194,13 @@ def throughput_panel(runs: list[RunData]) -> Panel:
         lines_chart("throughput.idle", "Idle fraction", "fraction of the step", runs,
                     [("learner idle", "time/learner_idle_frac"), ("rollout idle", "time/rollout_idle_frac")],
                     y_range=(0, 1)),
+        # small batches with an idle engine: rollout waits on the episodes; big batches with a busy
+        # engine: on the engine's step time
+        lines_chart("throughput.engine_batch", "Rollout engine: tokens sampled per forward step", "tokens", runs,
+                    [("per step", "engine/tokens_per_step")]),
+        lines_chart("throughput.engine_step", "Rollout engine: time per forward step", "milliseconds", runs,
+                    [("whole step", "engine/step_ms"), ("launching it (host)", "engine/launch_ms"),
+                     ("waiting on the device", "engine/wait_ms")]),
     ]
     return Panel("throughput", "Throughput", charts)
 

@@ -121,7 +121,11 @@ class DecodeGraphs:
         self._symbolic = compile and not self.use_graphs
         self._buffers: dict[tuple[int, int, int], _Buffers] = {}  # by (batch, width, keys)
         self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = None  # one memory pool for every graph: they never run at once
+        # memory pools: one for the decode graphs, one for the prefill graphs. Graphs sharing a pool
+        # may reuse each other's freed intermediates for their own outputs, so a graph replayed
+        # after another can overwrite that one's logits; a launch replays a decode graph and then a
+        # prefill graph and samples from both, but never two graphs of one kind
+        self._pools: dict[bool, tuple] = {}  # by whether the graph prefills (width > 1)
         self._cache_tensors: tuple[int, ...] = ()
         self.captured = 0  # graphs captured so far (EngineStats)
         self.capture_s = 0.0  # time spent capturing them (warm-up forwards included)
@@ -133,8 +137,8 @@ class DecodeGraphs:
         """Feed each slot[b] the tokens[b] (every slot's blocks reserved; where sources[b] >= 0 its
         one token is fed_back[sources[b]] instead). Returns the logits after each row's last token
         [B, vocab] float32 and, when recorded, the routing [B, width, n_moe, k] (row b's first
-        len(tokens[b]) real): views of the graph's output buffers, which the next step of that shape
-        overwrites (whatever reads them must be queued before it). The KDA states and keys are
+        len(tokens[b]) real): views of the graph's output buffers, which the next step of its kind
+        (decode, or prefill) may overwrite (whatever reads them must be queued before it). The KDA states and keys are
         written and the slots' lengths advanced."""
         n = len(slots)
         shape = (batch_bucket(n), token_bucket(max(map(len, tokens))),
@@ -215,7 +219,12 @@ class DecodeGraphs:
     def _replay(self, shape: tuple[int, int, int], buf: _Buffers) -> None:
         tensors = self.cache.tensor_ids()
         if tensors != self._cache_tensors:  # a released and re-allocated cache: new addresses
+            # new pools too, and the old graphs' outputs let go: capturing into the pool of graphs
+            # that are gone, while tensors of theirs still live in it, is not a state to count on
             self._graphs.clear()
+            self._pools.clear()
+            for old in self._buffers.values():
+                old.logits = old.routing = None
             self._cache_tensors = tensors
         graph = self._graphs.get(shape)
         if graph is None:
@@ -224,7 +233,8 @@ class DecodeGraphs:
             except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: decode eagerly instead
                 self.use_graphs = False
                 self._step_fn = self._forward  # uncompiled too: the failure may be the compiler's
-                self.capture_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                # whole, on one line: CUDA's messages may start with a line break
+                self.capture_error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
                 warnings.warn(f"native engine: CUDA graph capture failed ({self.capture_error}); decoding eagerly",
                               RuntimeWarning, stacklevel=2)
                 # the step's inputs again: a failed capture can leave them pointing at the scratch slot
@@ -247,13 +257,13 @@ class DecodeGraphs:
         buf.column("past_valid").fill_(0)
         buf.column("write_index").fill_(self.cache.num_blocks * self.cache.block_size)
         # no garbage collection while capturing: a collection in any thread that frees another graph
-        # (an engine dropped before this one) destroys it mid-capture, and the capture fails
+        # (an engine dropped before this one) destroys it mid-capture, and the capture fails. (No
+        # collection first either: in a rollout worker's heap it took a third of the capture time.)
         collecting = gc.isenabled()
-        gc.collect()
         gc.disable()
         try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+            if (buf.width > 1) not in self._pools:
+                self._pools[buf.width > 1] = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -261,7 +271,9 @@ class DecodeGraphs:
                     self._run(buf)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a CUDA call of another thread (a rollout worker's event loop) must not
+            # invalidate this capture; the engine's own thread is the only one using its streams
+            with torch.cuda.graph(graph, pool=self._pools[buf.width > 1], capture_error_mode="thread_local"):
                 self._run(buf)
         finally:
             if collecting:

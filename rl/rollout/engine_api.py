@@ -56,6 +56,8 @@ class EngineStats:
     prefill_tokens: int = 0
     busy_s: float = 0.0  # time spent in forward passes and sampling
     extra: dict[str, float] = field(default_factory=dict)
+    # what went wrong and was worked around, a line each (a CUDA graph capture failed: decoding eagerly)
+    problems: list[str] = field(default_factory=list)
 
 
 WeightUpdate = dict[str, torch.Tensor]  # the learner's state_dict (its own parameter names)

@@ -180,7 +180,7 @@ class NativeEngine(RolloutEngine):
                 # overlap fed the last turn's stop token and dropped what came after it: the cache
                 # has no logits to continue from, so it is built again from the tokens
                 self._preempt(seq)
-                self._stats.extra["recomputed"] = self._stats.extra.get("recomputed", 0.0) + 1
+                self._count("recomputed", 1)
             seq.turn = _Turn(params, asyncio.get_running_loop().create_future())
         self._wake.set()
         return await seq.turn.future
@@ -242,7 +242,12 @@ class NativeEngine(RolloutEngine):
         s.running = sum(q.slot is not None for q in self.seqs.values())
         s.waiting = sum(q.slot is None for q in self.seqs.values())
         s.extra["free_blocks"] = float(self.cache.free_blocks)
+        if self.graph_capture_error is not None:
+            s.problems = [f"CUDA graph capture failed, decoding eagerly: {self.graph_capture_error}"]
         return s
+
+    def _count(self, key: str, amount: float) -> None:
+        self._stats.extra[key] = self._stats.extra.get(key, 0.0) + amount
 
     @contextlib.asynccontextmanager
     async def _hold(self):
@@ -293,7 +298,7 @@ class NativeEngine(RolloutEngine):
                     except Exception as exc:  # noqa: BLE001 - a failed step fails its sequences, not the engine
                         progressed = False
                         self._pending = None
-                        self._stats.extra["step_errors"] = self._stats.extra.get("step_errors", 0.0) + 1
+                        self._count("step_errors", 1)
                         error = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
                         # a forward may have written part of any fed sequence's cache: none of them
                         # can go on, including those with no turn in flight (a group prompt's prefill)
@@ -318,7 +323,9 @@ class NativeEngine(RolloutEngine):
         """Launch what is waiting, then read back the step launched before (with overlap; else this
         one). Returns whether anything happened."""
         pending, self._pending = self._pending, None
+        started = time.perf_counter()
         launch = self._launch(pending)
+        self._count("launch_s", time.perf_counter() - started)  # host time: scheduling and queueing the step
         if pending is not None:
             self._resolve(pending)
         if launch is not None:
@@ -371,7 +378,7 @@ class NativeEngine(RolloutEngine):
         if decode:
             spec = [src >= 0 for src in sources]
             if any(spec):  # tokens decoded before the host read them
-                self._stats.extra["fed_unread"] = self._stats.extra.get("fed_unread", 0.0) + sum(spec)
+                self._count("fed_unread", sum(spec))
             logits, routing = self._feed(decode, [1] * len(decode), sources)
             for b, s in enumerate(decode):
                 row = _Row(s, s.epoch, routing=None if routing is None else (routing, b, 1))
@@ -463,7 +470,7 @@ class NativeEngine(RolloutEngine):
         seq.slot, seq.fed, seq.logits = None, 0, None
         seq.routing = []
         seq.epoch += 1
-        self._stats.extra["preempted"] = self._stats.extra.get("preempted", 0.0) + 1
+        self._count("preempted", 1)
 
     def _fork_ready(self, ready: dict[int, tuple[_Seq, int, _Row | None]], pending: _Launch | None,
                     launch: _Launch) -> bool:
@@ -583,7 +590,9 @@ class NativeEngine(RolloutEngine):
         """Read a launched step back: the fed tokens' routing, and each sampled token into its turn
         (unless that turn has ended since: a stop sampled the step before)."""
         if launch.done is not None:
+            started = time.perf_counter()
             launch.done.synchronize()
+            self._count("wait_s", time.perf_counter() - started)  # the host idle, the device still at work
         tokens = launch.tokens.tolist() if launch.tokens is not None else []
         logprobs = launch.logprobs.tolist() if launch.logprobs is not None else []
         for row in launch.rows:

@@ -156,7 +156,7 @@ def test_dashboard_in_a_browser(browser, dashboard_url, tiny_run, second_run, tm
     # What the trainer records today is drawn; what it does not yet record says so.
     with_data = {c["id"] for c in charts if c["hasData"] and c["traces"]}
     assert {"rewards.domain_reward", "rewards.effort_pass", "effort.pareto", "effort.tokens",
-            "throughput.time_split", "env.grading", "learner.warmup"} <= with_data
+            "throughput.time_split", "throughput.engine_batch", "env.grading", "learner.warmup"} <= with_data
     # Two runs side by side: every chart has a column titled with each run's name.
     for chart in charts:
         assert tiny_run.name in chart["titles"] and second_run.name in chart["titles"], chart
@@ -172,7 +172,8 @@ def test_dashboard_in_a_browser(browser, dashboard_url, tiny_run, second_run, tm
                "train/entropy": 2.0, "train/kl": 0.01, "train/grad_norm": 0.8, "train/advantage_abs": 0.4,
                "train/ratio": 1.0, "train/clipped": 0.05, "train/mismatch": 0.02, "train/mismatch/domain/math": 0.03,
                "throughput/samples_per_s": 6.5, "throughput/tokens_per_s": 300.0, "time/sync_s": 0.2,
-               "time/learner_idle_frac": 0.3, "time/rollout_idle_frac": 0.1, "async/staleness_mean": 0.5,
+               "time/learner_idle_frac": 0.3, "time/rollout_idle_frac": 0.1, "engine/tokens_per_step": 12.0,
+               "engine/step_ms": 4.0, "engine/launch_ms": 1.0, "engine/wait_ms": 2.5, "async/staleness_mean": 0.5,
                "async/staleness_max": 1, "async/staleness/0": 0.5, "async/staleness/1": 0.5,
                "async/aborted_groups": 0, "rollout/refilled_groups": 1, "train/is_weight_mean": 1.0,
                "train/is_weight_std": 0.1, "train/is_weight_min": 0.7, "train/is_weight_max": 1.4,

@@ -152,6 +152,31 @@ def test_short_prefills_through_the_fixed_shape_step_equal_the_general_forward(m
         engine(model, decode_graphs=True, prefill_graph_tokens=-1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_prefill_graph_never_overwrites_the_decode_graphs_logits(model):
+    """A launch replays a decode graph, then a prefill graph, then samples from both: the prefill's
+    replay leaves the decode step's logits as they were, though the prefill graph was captured
+    first (graphs sharing a memory pool may put one's outputs in the other's freed intermediates)."""
+    eng = engine(copy.deepcopy(model).to("cuda"), max_slots=8, cache_tokens=2048, decode_graphs=True,
+                 prefill_graph_tokens=40)
+    graphs, cache = eng._graphs, eng.cache
+    slots = [cache.alloc() for _ in range(8)]
+    for slot in slots:
+        cache.reserve(slot, 64)
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(n: int) -> list[list[int]]:
+        return [torch.randint(10, 300, (n,), generator=gen).tolist() for _ in range(4)]
+
+    graphs.step(slots[:4], inputs(12), [-1] * 4)  # the prefill graph, captured first
+    for _ in range(2):
+        decoded, _ = graphs.step(slots[:4], inputs(1), [-1] * 4)  # the decode graph: captured, then replayed
+        expected = decoded.clone()
+        graphs.step(slots[4:], inputs(12), [-1] * 4)  # the prefill graph replayed
+        torch.testing.assert_close(decoded, expected, atol=0, rtol=0)
+    assert graphs.captured == 2
+
+
 def test_the_compiled_decode_step_equals_the_general_forward(model):
     """rollout.compile_decode: the fixed-shape step through torch.compile gives the same tokens and
     (to float32 rounding) logprobs as the engine's eager variable-shape forward, and is compiled
@@ -182,7 +207,7 @@ def test_a_failed_graph_capture_leaves_decoding_eager(model, monkeypatch, prefil
         buf.column("slots").fill_(e.cache.scratch_slot)
         buf.column("past_valid").fill_(0)
         buf.column("write_index").fill_(e.cache.num_blocks * e.cache.block_size)
-        raise RuntimeError("operation not permitted when stream is capturing")
+        raise RuntimeError("\nCUDA error: operation not permitted when stream is capturing\nCompile with ...")
 
     monkeypatch.setattr(e._graphs, "_capture", fail)
     with pytest.warns(RuntimeWarning, match="CUDA graph capture failed .*not permitted.*; decoding eagerly"):
@@ -191,6 +216,24 @@ def test_a_failed_graph_capture_leaves_decoding_eager(model, monkeypatch, prefil
                                  greedy=True))
     assert tokens_of(got) == tokens_of(reference)
     assert e.stats().extra["graph_capture_failed"] == 1.0 and not e._graphs.use_graphs
+    # said whole, on one line, among the problems the trainer prints (a worker's own log is not shown)
+    assert e.stats().problems == ["CUDA graph capture failed, decoding eagerly: RuntimeError: CUDA error: operation "
+                                  "not permitted when stream is capturing Compile with ..."]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_graphs_are_captured_again_after_the_cache_is_released(model):
+    """A colocated run releases the engine's cache while the learner steps; the next group allocates
+    it again at new addresses, and the graphs are captured again (in new pools) and give the same
+    tokens as before the release."""
+    e = engine(copy.deepcopy(model).to("cuda"), max_slots=4, cache_tokens=1024, decode_graphs=True,
+               prefill_graph_tokens=40)
+    first = asyncio.run(play(e, prompts(2), greedy=True))
+    captured = e._graphs.captured
+    assert captured >= 2 and asyncio.run(e.release_cache()) > 0
+    again = asyncio.run(play(e, prompts(2), greedy=True))
+    assert e.graph_capture_error is None and e._graphs.captured == 2 * captured, e._graphs.captured
+    assert tokens_of(again) == tokens_of(first)
 
 
 def test_forked_group_prefill_equals_separate_prefills(model):

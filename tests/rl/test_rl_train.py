@@ -65,6 +65,13 @@ def test_short_run_then_resume(tmp_path, ray_session):
         assert m["rollout/samples"] == 2 * (m["rollout/trained_samples"] / 2 + m.get("rollout/dropped_uniform_groups", 0))
         assert 0.0 <= m["rollout/reward"] <= 1.0
         assert m["rollout/tokens_per_s"] > 0 and m["async/staleness_max"] == 0 if m["rollout/trained_samples"] else True
+        # the engines' pace: they stepped, sampled and prefilled, busy no longer than the step lasted
+        assert m["engine/steps"] >= 1 and m["engine/tokens_per_step"] > 0 and m["engine/prefill_tokens"] > 0
+        assert 0 < m["engine/busy_s"] <= m["time/step_s"] * 2 + 1  # 2 rollout workers; the step's edges
+        assert m["engine/step_ms"] == pytest.approx(1000 * m["engine/busy_s"] / m["engine/steps"])
+        # on a CPU a step computes as it is launched: nothing to wait for, no graphs
+        assert 0 < m["engine/launch_ms"] <= m["engine/step_ms"] and m["engine/wait_ms"] == 0
+        assert m["engine/graph_capture_s"] == 0
         assert "rollout/effort/low/reward" in m or "rollout/effort/max/reward" in m or "rollout/effort/medium/reward" in m
         if m["rollout/trained_samples"] and not m.get("train/skipped"):  # the learner's FLOPs rate: 6N per real token
             flops = 6 * m["train/seq_tokens"] * active_parameters_of(TINY["model"]) / m["time/learner_step_s"]
@@ -200,8 +207,10 @@ def test_groups_whose_environment_raises_are_reported_and_left_out(tmp_path, ray
 
 def comparable_metrics(run_dir: Path) -> list[dict]:
     """Metrics without the ones that measure time or sample live resources (they differ between two runs
-    of anything: how many sandboxes are open at the moment of logging depends on the clock)."""
-    timed = ("time/", "throughput/", "rollout/tokens_per_s", "env/sandbox_live", "train/model_tflops_per_s", "train/mfu")
+    of anything: how many sandboxes are open at the moment of logging, or how many sequences share
+    an engine step, depends on the clock)."""
+    timed = ("time/", "throughput/", "engine/", "rollout/tokens_per_s", "env/sandbox_live",
+             "train/model_tflops_per_s", "train/mfu")
     return [{k: v for k, v in m.items() if not k.startswith(timed)} for m in read_metrics(run_dir)]
 
 
