@@ -37,10 +37,12 @@ class ResourcesConfig(Section):
     (colocate: true): rollout workers have no GPUs of their own; they are spread over the
     learner's GPUs and share their memory with the learner. In a synchronous run
     (rollout.max_staleness 0) the native engines free their caches before each learner step and
-    allocate them again for the next groups (memory/rollout_cache_released_mb); asynchronous
-    rollouts run through the learner step, so their engines keep their caches: size
-    rollout.cache_gib, cache_tokens or gpu_memory_fraction to leave the learner room. Weights then
-    cannot travel over NCCL (one GPU cannot be two NCCL ranks)."""
+    allocate them again for the next groups (memory/rollout_cache_released_mb), unless
+    `release_rollout_caches` is false: a cache allocated again has new addresses, so the engines
+    capture their CUDA graphs again, which a GPU with room for both can skip. Asynchronous rollouts
+    run through the learner step, so their engines keep their caches: size rollout.cache_gib,
+    cache_tokens or gpu_memory_fraction to leave the learner room. Weights then cannot travel over
+    NCCL (one GPU cannot be two NCCL ranks)."""
 
     learner_gpus: int = Field(default=0, ge=0)  # one DeepSpeed rank per GPU
     # the learner's DeepSpeed ranks (data parallel; train.expert_parallel of them share the experts):
@@ -48,6 +50,7 @@ class ResourcesConfig(Section):
     learner_ranks: int | None = Field(default=None, ge=1)
     rollout_gpus: float = Field(default=0.0, ge=0)  # per rollout worker
     colocate: bool = False
+    release_rollout_caches: bool = True  # colocated, synchronous: free the engines' caches for each learner step
 
     @property
     def ranks(self) -> int:

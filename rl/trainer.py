@@ -230,9 +230,7 @@ class Trainer:
         pace = _EnginePace(actors.rollout_workers, self.say)
         health = _EnvHealth(actors.env_workers)
         hacks = HackMonitor()  # its history starts again on resume: a flag needs 2 windows of this process
-        # colocated engines free their caches while the learner steps; asynchronous rollouts run
-        # through the step (their engines hold sequences), so only a synchronous run asks
-        release = cfg.resources.colocate and cfg.rollout.max_staleness == 0
+        release = releases_rollout_caches(cfg)
         with progress:
             for step in range(start_step, cfg.train.steps):
                 t0 = time.monotonic()
@@ -289,6 +287,14 @@ class Trainer:
         if errors:
             self.say(f"step {step}: {len(errors)} sample(s) could not be graded and scored 0; "
                      f"latest ({errors[-1]['env']}): {errors[-1]['error']}")
+
+
+def releases_rollout_caches(cfg: RunConfig) -> bool:
+    """Whether the rollout engines free their caches while the learner steps: colocated on its GPUs,
+    unless the config keeps them; only a synchronous run asks (asynchronous rollouts run through
+    the step, their engines holding sequences)."""
+    res = cfg.resources
+    return res.colocate and res.release_rollout_caches and cfg.rollout.max_staleness == 0
 
 
 def release_rollout_caches(workers: list) -> float:

@@ -121,6 +121,7 @@ class DecodeGraphs:
         self._symbolic = compile and not self.use_graphs
         self._buffers: dict[tuple[int, int, int], _Buffers] = {}  # by (batch, width, keys)
         self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self._warmed: set[tuple[int, int, int]] = set()  # shapes captured before: their kernels are ready
         # memory pools: one for the decode graphs, one for the prefill graphs. Graphs sharing a pool
         # may reuse each other's freed intermediates for their own outputs, so a graph replayed
         # after another can overwrite that one's logits; a launch replays a decode graph and then a
@@ -229,7 +230,7 @@ class DecodeGraphs:
         graph = self._graphs.get(shape)
         if graph is None:
             try:
-                graph = self._capture(buf)
+                graph = self._capture(buf, warm=shape not in self._warmed)
             except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: decode eagerly instead
                 self.use_graphs = False
                 self._step_fn = self._forward  # uncompiled too: the failure may be the compiler's
@@ -244,12 +245,15 @@ class DecodeGraphs:
                 self._run(buf)
                 return
             self._graphs[shape] = graph
+            self._warmed.add(shape)
         graph.replay()
 
-    def _capture(self, buf: _Buffers) -> torch.cuda.CUDAGraph:
-        """Warm up (kernels compiled and tuned, output buffers made) and capture on a side stream,
+    def _capture(self, buf: _Buffers, warm: bool) -> torch.cuda.CUDAGraph:
+        """Warm up (kernels compiled and tuned, lazily made handles) and capture on a side stream,
         with the buffers pointing at the scratch slot and block: neither run may change a real
-        sequence's state. The step's inputs are sent again from `staging` afterwards."""
+        sequence's state. A shape captured before (its graph dropped with a released cache) is
+        captured again without warming up: two eager forwards a graph, every step of a colocated
+        run that frees its cache. The step's inputs are sent again from `staging` afterwards."""
         torch.cuda.synchronize(self.device)  # (rare: the time it takes is recorded alone)
         started = time.perf_counter()
         buf.column("slots").fill_(self.cache.scratch_slot)
@@ -264,12 +268,13 @@ class DecodeGraphs:
         try:
             if (buf.width > 1) not in self._pools:
                 self._pools[buf.width > 1] = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # (compiling the step, when compiled, in the first)
-                    self._run(buf)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            if warm:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # (compiling the step, when compiled, in the first)
+                        self._run(buf)
+                torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: a CUDA call of another thread (a rollout worker's event loop) must not
             # invalidate this capture; the engine's own thread is the only one using its streams

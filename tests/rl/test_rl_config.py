@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rl.config import ConfigError, load_config
+from rl.config import ConfigError, load_config, validate
+from rl.trainer import releases_rollout_caches
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,3 +108,14 @@ def test_invalid_yaml(tmp_path):
 def test_every_shipped_config_is_valid(path):
     cfg = load_config(path)
     assert cfg.envs
+
+
+@pytest.mark.parametrize("resources, staleness, releases", [
+    ({"learner_gpus": 1, "colocate": True}, 0, True),  # colocated and synchronous: the learner gets the memory
+    ({"learner_gpus": 1, "colocate": True, "release_rollout_caches": False}, 0, False),  # kept (and graphs)
+    ({"learner_gpus": 1, "colocate": True}, 1, False),  # asynchronous engines hold sequences through the step
+    ({"learner_gpus": 1, "rollout_gpus": 1}, 0, False),  # engines on GPUs of their own
+])
+def test_rollout_caches_are_freed_for_the_learner_only_when_they_share_its_gpu(resources, staleness, releases):
+    cfg = validate({"resources": resources, "rollout": {"max_staleness": staleness, "cache_tokens": 4096}})
+    assert releases_rollout_caches(cfg) is releases

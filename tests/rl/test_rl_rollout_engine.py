@@ -203,7 +203,7 @@ def test_a_failed_graph_capture_leaves_decoding_eager(model, monkeypatch, prefil
     e = engine(model, max_slots=4, cache_tokens=1024, decode_graphs=True, prefill_graph_tokens=prefill_graph_tokens)
     e._graphs.use_graphs = True  # as on a GPU; capturing then fails as an op that cannot be captured would
 
-    def fail(buf):
+    def fail(buf, warm):
         buf.column("slots").fill_(e.cache.scratch_slot)
         buf.column("past_valid").fill_(0)
         buf.column("write_index").fill_(e.cache.num_blocks * e.cache.block_size)
@@ -224,15 +224,19 @@ def test_a_failed_graph_capture_leaves_decoding_eager(model, monkeypatch, prefil
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_graphs_are_captured_again_after_the_cache_is_released(model):
     """A colocated run releases the engine's cache while the learner steps; the next group allocates
-    it again at new addresses, and the graphs are captured again (in new pools) and give the same
-    tokens as before the release."""
+    it again at new addresses, and the graphs are captured again (in new pools, with no warm-up
+    forwards: their shapes ran before) and give the same tokens as before the release."""
     e = engine(copy.deepcopy(model).to("cuda"), max_slots=4, cache_tokens=1024, decode_graphs=True,
                prefill_graph_tokens=40)
     first = asyncio.run(play(e, prompts(2), greedy=True))
     captured = e._graphs.captured
     assert captured >= 2 and asyncio.run(e.release_cache()) > 0
+    forwards = []
+    run = e._graphs._run
+    e._graphs._run = lambda buf: forwards.append(buf) or run(buf)  # (replays run no forward)
     again = asyncio.run(play(e, prompts(2), greedy=True))
     assert e.graph_capture_error is None and e._graphs.captured == 2 * captured, e._graphs.captured
+    assert len(forwards) == captured  # one captured forward a graph, none to warm up
     assert tokens_of(again) == tokens_of(first)
 
 
