@@ -44,6 +44,9 @@ from policy.slot_cache import SlotCache
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 MIN_KEY_BUCKET = 64  # past-key buckets are powers of two from here
 MIN_TOKEN_BUCKET = 16  # a prefill's tokens per row: powers of two from here (few widths, few graphs)
+# a failed capture leaves its shape eager; after this many, every step is: failures that repeat are
+# not transient (one that is, as a collection freeing a graph mid-capture, costs one shape only)
+MAX_CAPTURE_FAILURES = 3
 # a step's inputs, in the order of its packed input tensor: one value per row, then `width` per row,
 # then the past keys' two of `keys` per row
 _ROW_COLUMNS = ("source", "slots", "lengths")
@@ -130,7 +133,9 @@ class DecodeGraphs:
         self._cache_tensors: tuple[int, ...] = ()
         self.captured = 0  # graphs captured so far (EngineStats)
         self.capture_s = 0.0  # time spent capturing them (warm-up forwards included)
-        self.capture_error: str | None = None  # why capturing failed (decoding then stays eager)
+        self.capture_error: str | None = None  # why the last failed capture failed
+        self.capture_failures = 0
+        self._eager: set[tuple[int, int, int]] = set()  # shapes whose capture failed
 
     @torch.no_grad()
     def step(self, slots: list[int], tokens: list[list[int]], sources: list[int]
@@ -146,7 +151,7 @@ class DecodeGraphs:
                  key_bucket(max(self.cache.lengths[s] for s in slots)))
         buf = self._buffers.get(shape) or self._allocate(*shape)
         self._fill(buf, slots, tokens, sources)
-        if self.use_graphs:
+        if self.use_graphs and shape not in self._eager:
             self._replay(shape, buf)
         else:
             self._run(buf)
@@ -231,12 +236,16 @@ class DecodeGraphs:
         if graph is None:
             try:
                 graph = self._capture(buf, warm=shape not in self._warmed)
-            except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: decode eagerly instead
-                self.use_graphs = False
-                self._step_fn = self._forward  # uncompiled too: the failure may be the compiler's
+            except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: this shape runs eagerly
+                self._eager.add(shape)
+                self.capture_failures += 1
+                self.use_graphs = self.capture_failures < MAX_CAPTURE_FAILURES
+                self._step_fn = self._forward  # uncompiled from now on: the failure may be the compiler's
+                self._warmed.clear()  # (a new step function: its kernels warm up again before a capture)
                 # whole, on one line: CUDA's messages may start with a line break
                 self.capture_error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
-                warnings.warn(f"native engine: CUDA graph capture failed ({self.capture_error}); decoding eagerly",
+                warnings.warn(f"native engine: CUDA graph capture failed ({self.capture_error}); "
+                              f"{'steps of this shape run' if self.use_graphs else 'every step runs'} eagerly",
                               RuntimeWarning, stacklevel=2)
                 # the step's inputs again: a failed capture can leave them pointing at the scratch slot
                 # (its own restore may fail on a stream left in a capture error), and a step run on those

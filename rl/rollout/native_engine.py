@@ -234,7 +234,8 @@ class NativeEngine(RolloutEngine):
 
     @property
     def graph_capture_error(self) -> str | None:
-        """Why capturing a CUDA graph failed (the engine then runs every step eagerly), or None."""
+        """Why the last failed capture of a CUDA graph failed (that step shape then runs eagerly;
+        after MAX_CAPTURE_FAILURES, every step), or None."""
         return None if self._graphs is None else self._graphs.capture_error
 
     def stats(self) -> EngineStats:
@@ -243,7 +244,10 @@ class NativeEngine(RolloutEngine):
         s.waiting = sum(q.slot is None for q in self.seqs.values())
         s.extra["free_blocks"] = float(self.cache.free_blocks)
         if self.graph_capture_error is not None:
-            s.problems = [f"CUDA graph capture failed, decoding eagerly: {self.graph_capture_error}"]
+            g = self._graphs
+            eager = "every step runs eagerly" if not g.use_graphs else "steps of those shapes run eagerly"
+            s.problems = [f"CUDA graph capture failed {g.capture_failures} time(s), {eager}; "
+                          f"the last: {g.capture_error}"]
         return s
 
     def _count(self, key: str, amount: float) -> None:
@@ -517,8 +521,7 @@ class NativeEngine(RolloutEngine):
             logits, routing = self._graphs.step([s.slot for s in seqs], tokens, sources)
             self._stats.extra["graphs_captured"] = float(self._graphs.captured)
             self._stats.extra["graph_capture_s"] = self._graphs.capture_s
-            if self._graphs.capture_error is not None:
-                self._stats.extra["graph_capture_failed"] = 1.0
+            self._stats.extra["graph_capture_failed"] = float(self._graphs.capture_failures)
         else:
             logits, routing = self._forward(seqs, take, sources)
         for s, n in zip(seqs, take):

@@ -14,6 +14,7 @@ from policy import build_model
 from policy.slot_cache import SlotCache
 from rl.config import RolloutConfig
 from rl.rollout.cache_budget import DEFAULT_CACHE_TOKENS, engine_cache_tokens
+from rl.rollout import decode_graphs
 from rl.rollout.engine_api import SamplingParams, TurnOutput
 from rl.rollout.native_engine import NativeEngine
 from rl.rollout.worker import build_engine
@@ -196,29 +197,55 @@ def test_the_compiled_decode_step_equals_the_general_forward(model):
 
 
 @pytest.mark.parametrize("prefill_graph_tokens", [0, 40])
-def test_a_failed_graph_capture_leaves_decoding_eager(model, monkeypatch, prefill_graph_tokens):
+@pytest.mark.parametrize("failing", ["every capture", "the first capture"])
+def test_a_failed_graph_capture_leaves_its_shape_eager(model, monkeypatch, prefill_graph_tokens, failing):
     """A capture that fails part-way, its inputs left pointing at the scratch slot (as when a stream
     left in a capture error cannot restore them), gives the eager engine's tokens: the step runs
-    again on its real inputs."""
-    e = engine(model, max_slots=4, cache_tokens=1024, decode_graphs=True, prefill_graph_tokens=prefill_graph_tokens)
-    e._graphs.use_graphs = True  # as on a GPU; capturing then fails as an op that cannot be captured would
+    again on its real inputs. Its shape runs eagerly from then on; other shapes are still captured
+    (on a CPU a stand-in replays the step eagerly) until MAX_CAPTURE_FAILURES captures have failed,
+    and then every step runs eagerly."""
+    e = engine(model, max_slots=16, cache_tokens=4096, decode_graphs=True, prefill_graph_tokens=prefill_graph_tokens)
+    graphs = e._graphs
+    graphs.use_graphs = True  # as on a GPU
+    replayed: list[int] = []
 
-    def fail(buf, warm):
-        buf.column("slots").fill_(e.cache.scratch_slot)
-        buf.column("past_valid").fill_(0)
-        buf.column("write_index").fill_(e.cache.num_blocks * e.cache.block_size)
-        raise RuntimeError("\nCUDA error: operation not permitted when stream is capturing\nCompile with ...")
+    class CapturedOnCPU:
+        def __init__(self, shape: tuple[int, int, int]) -> None:
+            self.shape = shape
 
-    monkeypatch.setattr(e._graphs, "_capture", fail)
-    with pytest.warns(RuntimeWarning, match="CUDA graph capture failed .*not permitted.*; decoding eagerly"):
-        got = asyncio.run(play(e, prompts(2), greedy=True))
-    reference = asyncio.run(play(engine(model, max_slots=4, cache_tokens=1024, decode_graphs=False), prompts(2),
-                                 greedy=True))
+        def replay(self) -> None:
+            replayed.append(self.shape)
+            graphs._run(graphs._buffers[self.shape])
+
+    def capture(buf, warm):
+        if failing == "every capture" or graphs.capture_failures == 0:
+            buf.column("slots").fill_(e.cache.scratch_slot)
+            buf.column("past_valid").fill_(0)
+            buf.column("write_index").fill_(e.cache.num_blocks * e.cache.block_size)
+            raise RuntimeError("\nCUDA error: operation not permitted when stream is capturing\nCompile with ...")
+        return CapturedOnCPU(next(shape for shape, b in graphs._buffers.items() if b is buf))
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(decode_graphs, "MAX_CAPTURE_FAILURES", 2)  # (this play has 3 or 4 shapes)
+    with pytest.warns(RuntimeWarning, match="CUDA graph capture failed .*not permitted.*eagerly"):
+        got = asyncio.run(play(e, prompts_of_3_to_127_tokens(), greedy=True, n=10))
+    reference = asyncio.run(play(engine(model, max_slots=16, cache_tokens=4096, decode_graphs=False),
+                                 prompts_of_3_to_127_tokens(), greedy=True, n=10))
     assert tokens_of(got) == tokens_of(reference)
-    assert e.stats().extra["graph_capture_failed"] == 1.0 and not e._graphs.use_graphs
+    shapes = set(graphs._buffers)
+    assert len(shapes) > 2, shapes
+    error = "RuntimeError: CUDA error: operation not permitted when stream is capturing Compile with ..."
+    if failing == "every capture":
+        assert graphs.capture_failures == 2 and not graphs.use_graphs and not replayed
+        eager = "every step runs eagerly"
+    else:  # one shape eager, every other one replayed
+        assert graphs.capture_failures == 1 and graphs.use_graphs
+        assert set(replayed) == shapes - graphs._eager and len(graphs._eager) == 1
+        eager = "steps of those shapes run eagerly"
+    assert e.stats().extra["graph_capture_failed"] == graphs.capture_failures
     # said whole, on one line, among the problems the trainer prints (a worker's own log is not shown)
-    assert e.stats().problems == ["CUDA graph capture failed, decoding eagerly: RuntimeError: CUDA error: operation "
-                                  "not permitted when stream is capturing Compile with ..."]
+    assert e.stats().problems == [f"CUDA graph capture failed {graphs.capture_failures} time(s), {eager}; "
+                                  f"the last: {error}"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
