@@ -277,6 +277,8 @@ class Trainer:
                                  f"mismatch {metrics.get('train/mismatch', 0.0):.4f}  "
                                  f"{metrics['throughput/samples_per_s']:.1f} samples/s")
         ray.get(actors.scheduler.stop_training.remote())
+        if (line := pace.summary()) is not None:
+            self.phase(line)
 
     def _say_problems(self, step: int, report, metrics: dict[str, float]) -> None:
         """Failed groups and ungraded samples are said on the console, not only logged."""
@@ -352,7 +354,7 @@ class _EnginePace:
     def __init__(self, workers: list, say) -> None:
         self.workers, self.say = workers, say
         self.said: set[str] = set()  # engine problems already said (each once a run)
-        self.last = self._read()
+        self.first = self.last = self._read()
 
     def _read(self) -> tuple[float, EngineStats]:
         total = EngineStats()
@@ -376,8 +378,26 @@ class _EnginePace:
         return time.monotonic(), total
 
     def metrics(self) -> dict[str, float]:
-        (t0, a), (t1, b) = self.last, self._read()
-        self.last = (t1, b)
+        """The engines' pace since the last call."""
+        now = self._read()
+        out, self.last = self._between(self.last, now), now
+        return out
+
+    def summary(self) -> str | None:
+        """One line on the engines' pace over the whole run (to the last `metrics`), or None
+        where the engine counts no steps."""
+        m = self._between(self.first, self.last)
+        if "engine/steps" not in m:
+            return None
+        line = (f"rollout engines: {m['engine/step_ms']:.1f} ms a step (launching {m['engine/launch_ms']:.1f}, "
+                f"waiting on the device {m['engine/wait_ms']:.1f}), {m['engine/tokens_per_step']:.1f} tokens "
+                f"sampled a step, idle {m['time/rollout_idle_frac']:.0%} of the run")
+        if m["engine/graph_capture_s"]:
+            line += f", {m['engine/graph_capture_s']:.1f} s capturing CUDA graphs"
+        return line
+
+    def _between(self, earlier: tuple[float, EngineStats], later: tuple[float, EngineStats]) -> dict[str, float]:
+        (t0, a), (t1, b) = earlier, later
         # a restarted worker's counters start again at zero: never report a negative interval
         busy, steps = max(0.0, b.busy_s - a.busy_s), max(0, b.steps - a.steps)
         sampled = max(0, b.generated_tokens - a.generated_tokens)

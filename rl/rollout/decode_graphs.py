@@ -280,8 +280,9 @@ class DecodeGraphs:
             if warm:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
+                compiled = buf.width == 1 and self._step_fn is not self._forward
                 with torch.cuda.stream(side):
-                    for _ in range(2):  # (compiling the step, when compiled, in the first)
+                    for _ in range(2 if compiled else 1):  # (a compiled step: compiled in the first)
                         self._run(buf)
                 torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()

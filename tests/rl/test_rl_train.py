@@ -3,6 +3,7 @@ checkpoints, resume continues at the right step, and a killed rollout worker los
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -57,6 +58,8 @@ def test_short_run_then_resume(tmp_path, ray_session):
     output = run_cli("train", str(write_config(tmp_path)))
     run_dir = only_run(tmp_path)
     assert "Held-out reward" in output
+    assert re.search(r"rollout engines: [\d.]+ ms a step \(launching [\d.]+, waiting on the device 0\.0\), "
+                     r"[\d.]+ tokens sampled a step, idle \d+% of the run ", " ".join(output.split())), output
     metrics = [m for m in read_metrics(run_dir) if m["step"] >= 0]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics:
