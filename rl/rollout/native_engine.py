@@ -243,8 +243,11 @@ class NativeEngine(RolloutEngine):
         s.running = sum(q.slot is not None for q in self.seqs.values())
         s.waiting = sum(q.slot is None for q in self.seqs.values())
         s.extra["free_blocks"] = float(self.cache.free_blocks)
-        if self.graph_capture_error is not None:
-            g = self._graphs
+        g = self._graphs
+        if g is not None:
+            s.extra.update(graphs_captured=float(g.captured), graph_capture_s=g.capture_s,
+                           graph_capture_failed=float(g.capture_failures))
+        if g is not None and g.capture_error is not None:
             eager = "every step runs eagerly" if not g.use_graphs else "steps of those shapes run eagerly"
             s.problems = [f"CUDA graph capture failed {g.capture_failures} time(s), {eager}; "
                           f"the last: {g.capture_error}"]
@@ -514,14 +517,11 @@ class NativeEngine(RolloutEngine):
         """Feed seqs[b] its next take[b] tokens (one token from the device where sources[b] >= 0):
         the fixed-shape step for one token each or up to `prefill_graph_tokens`, else the general
         forward. Returns the last fed token's logits [B, vocab] float32 (on the device; a fixed-shape
-        step's are overwritten by the next one of its shape) and, when recorded, the routing on the
+        step's may be overwritten by the next one of its kind, decode or prefill) and, when recorded, the routing on the
         host [B, T, n_moe, k] int16, valid once the step's event has passed."""
         if self._graphs is not None and (max(take) == 1 or max(take) <= self.prefill_graph_tokens):
             tokens = [[0] if src >= 0 else s.tokens[s.fed:s.fed + n] for s, n, src in zip(seqs, take, sources)]
             logits, routing = self._graphs.step([s.slot for s in seqs], tokens, sources)
-            self._stats.extra["graphs_captured"] = float(self._graphs.captured)
-            self._stats.extra["graph_capture_s"] = self._graphs.capture_s
-            self._stats.extra["graph_capture_failed"] = float(self._graphs.capture_failures)
         else:
             logits, routing = self._forward(seqs, take, sources)
         for s, n in zip(seqs, take):
