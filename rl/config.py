@@ -176,11 +176,11 @@ class RolloutConfig(Section):
     # meant for CUDA graphs; in configs/gpu_small.yaml's pipeline on an H200, 32 made rollout slower (each
     # result takes a decode step per token; benchmarks/RESULTS.md), so 0 (off)
     decode_feed_tokens: int = Field(default=0, ge=0)
-    # native engine with CUDA graphs: inputs of 2 to this many tokens (tool results) are prefilled by a
-    # graph of their padded shape too, instead of an eager forward's launches. On an H200 a round of tool
-    # results 3.9-6.0x faster, but in configs/gpu_small.yaml's pipeline not yet shown faster (its engines
-    # decoded eagerly after a failed re-capture, since changed: benchmarks/RESULTS.md), so 0
-    prefill_graph_tokens: int = Field(default=0, ge=0, le=256)
+    # native engine with CUDA graphs (ignored elsewhere): inputs of 2 to this many tokens (tool results)
+    # are prefilled by a graph of their padded shape too, instead of an eager forward's launches. In
+    # configs/gpu_small.yaml's pipeline on an H200, 64 made rollout ~1.6x faster once its graphs were
+    # captured (the engines then wait on the GPU, not on launches; benchmarks/RESULTS.md); 0 turns it off
+    prefill_graph_tokens: int = Field(default=64, ge=0, le=256)
     # native engine: the fixed-shape decode step compiled by torch.compile (one graph, symbolic batch
     # and key length: two compiles per engine). On a CPU 1.15-1.7x on steady decode benchmarks, but the
     # demo's first step pays ~2 min of compiling on two cores and later steps gain ~5%; on a GPU the

@@ -54,11 +54,14 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
         # on a GPU the default budget is a share of what is free now that the model is loaded
         gpu = (torch.cuda.mem_get_info(device)[0], actor_gpu_share()) if device.type == "cuda" else None
         cache_tokens = engine_cache_tokens(cfg, model.config, model.lm_head.weight.dtype, gpu=gpu)
+        graphs = cfg.cuda_graphs and device.type == "cuda"
+        # short prefills at fixed shapes pay only as replayed graphs: eager (a CPU's compiled decode
+        # step) their padding is wasted work
         engine = NativeEngine(model, max_slots=cfg.max_slots, cache_tokens=cache_tokens,
                               max_batch_tokens=cfg.max_batch_tokens, record_routing=cfg.record_routing,
-                              decode_graphs=cfg.cuda_graphs and device.type == "cuda",
-                              compile_decode=cfg.compile_decode, decode_feed_tokens=cfg.decode_feed_tokens,
-                              prefill_graph_tokens=cfg.prefill_graph_tokens,
+                              decode_graphs=graphs, compile_decode=cfg.compile_decode,
+                              decode_feed_tokens=cfg.decode_feed_tokens,
+                              prefill_graph_tokens=cfg.prefill_graph_tokens if graphs else 0,
                               overlap=cfg.overlap_decode and device.type == "cuda")
         engine.version = version
         return engine

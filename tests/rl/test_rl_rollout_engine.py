@@ -147,8 +147,10 @@ def test_short_prefills_through_the_fixed_shape_step_equal_the_general_forward(m
     assert widths == {1, 16, 64}, widths  # decode; tool results and the 3-token prompt; the 34-token prompt
     assert {width for _, width, _ in general._graphs._buffers} == {1}
     assert engine(model, decode_graphs=False, prefill_graph_tokens=40).prefill_graph_tokens == 0  # no step to run it
+    # from a config: only under CUDA graphs (64 by default); a CPU's compiled fixed-shape step would pad for nothing
+    assert RolloutConfig().prefill_graph_tokens == 64
     from_config = build_engine(TOY, RolloutConfig(prefill_graph_tokens=24, compile_decode=True), seed=0)
-    assert from_config.prefill_graph_tokens == 24
+    assert from_config._graphs is not None and from_config.prefill_graph_tokens == 0
     with pytest.raises(ValueError, match="prefill_graph_tokens"):
         engine(model, decode_graphs=True, prefill_graph_tokens=-1)
 
