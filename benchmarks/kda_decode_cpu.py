@@ -1,6 +1,6 @@
 """CPU benchmark: one KDA decode step on states held in slots, as the native engine runs it.
 
-`kernels.kda.kda_in_slots` (the rows' states gathered once, updated in place with batched
+`kimi_kernels.kda.kda_in_slots` (the rows' states gathered once, updated in place with batched
 products, put back) beside what it did before: gather, `kda` (the token-by-token recurrence),
 scatter. Same inputs, one process, interleaved, float32, in a dedicated worker thread at one torch
 thread (where the engine runs its forwards). Prints microseconds per call and the ratio:
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.kda import kda, kda_in_slots  # noqa: E402
+from kimi_kernels.kda import kda, kda_in_slots  # noqa: E402
 
 
 def gather_recurrence_scatter(q, k, v, g, beta, pool, slots) -> torch.Tensor:

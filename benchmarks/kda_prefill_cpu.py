@@ -1,5 +1,5 @@
 """CPU benchmark: KDA forwards without gradient (a rollout prefill) at the chunk `kda` now picks
-for them (`kernels.kda.inference_chunk_size`: token by token up to 8 tokens, chunks of 16 up to 64,
+for them (`kimi_kernels.kda.inference_chunk_size`: token by token up to 8 tokens, chunks of 16 up to 64,
 then 32) beside the training chunk of 64 it used before. Same inputs, one process, interleaved,
 float32, one torch thread in a dedicated worker thread (where the engine runs its forwards). Prints
 milliseconds per call and the ratio:
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_common import median_wall_s  # noqa: E402
 from benchmarks.kda_cpu import make_inputs  # noqa: E402
-from kernels.kda import inference_chunk_size, kda_chunk, kda_recurrent  # noqa: E402
+from kimi_kernels.kda import inference_chunk_size, kda_chunk, kda_recurrent  # noqa: E402
 
 TRAINING_CHUNK = 64
 

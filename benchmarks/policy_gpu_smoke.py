@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.kda import fla_available
+from kimi_kernels.kda import fla_available
 from policy import build_model
 
 

@@ -8,8 +8,8 @@ Each size runs in several modes in one process (`--modes` picks), eager decode b
 decode (rl/rollout/decode_graphs.py), the graphs with overlapped steps (each launched before the
 last one's tokens are read back: the engine's default on a GPU), those with the captured step
 compiled by torch.compile (`rollout.compile_decode`), and that with the routed experts on CUTLASS's
-grouped GEMM instead of the small-M kernels (kernels/grouped_experts.py), and graphs + overlap with
-MLA's absorbed decode attention on the fp32 reference instead of kernels/mla_decode.py; the same
+grouped GEMM instead of the small-M kernels (kimi_kernels/grouped_experts.py), and graphs + overlap with
+MLA's absorbed decode attention on the fp32 reference instead of kimi_kernels/mla_decode.py; the same
 sequences and tokens. `--long-context N` then prefills one
 N-token prompt (in chunks of --chunk tokens) and decodes from it: time, decode rate, peak memory.
 
@@ -52,7 +52,7 @@ class Mode(NamedTuple):
     overlap: bool
     compile: bool
     small_m: bool  # decode batches' experts on the small-M kernels (else CUTLASS's grouped GEMM)
-    mla_kernel: bool = True  # MLA's absorbed decode attention on kernels/mla_decode.py (else the fp32 reference)
+    mla_kernel: bool = True  # MLA's absorbed decode attention on kimi_kernels/mla_decode.py (else the fp32 reference)
 
 
 MODES = {"eager": Mode(False, False, False, True), "CUDA graphs": Mode(True, False, False, True),
@@ -186,7 +186,7 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
            compile: bool = False, small_m: bool = True, mla_kernel: bool = True, chunk: int = 8192, around_decode=contextlib.nullcontext,
            host_profile: cProfile.Profile | None = None, after_step=None) -> dict:
     """`small_m`: a decode batch's routed experts on the small-M Triton kernels (else CUTLASS's grouped
-    GEMM, as a prefill's); `mla_kernel`: MLA's absorbed decode attention on kernels/mla_decode.py
+    GEMM, as a prefill's); `mla_kernel`: MLA's absorbed decode attention on kimi_kernels/mla_decode.py
     (else the fp32 reference); `around_decode`: a context manager (factory) the decode phase runs in,
     after the prefills;
     `host_profile`: profiles the engine's steps (its own thread) during the decode phase;

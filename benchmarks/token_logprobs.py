@@ -1,4 +1,4 @@
-"""Learner token logprobs: blockwise from the hidden states (`kernels.logprobs`, what the learner
+"""Learner token logprobs: blockwise from the hidden states (`kimi_kernels.logprobs`, what the learner
 uses) against the full logits + log_softmax (what it replaced), side by side in one run, forward
 and backward, at K3's vocabulary. Each variant runs in its own process so its peak memory is its
 own: peak RSS growth on CPU, peak allocated on CUDA.
@@ -19,7 +19,7 @@ from bench_common import median_wall_s
 
 
 def run_variant(name: str, tokens: int, hidden: int, vocab: int, device: str, iters: int) -> dict[str, float]:
-    from kernels.logprobs import linear_token_logprobs
+    from kimi_kernels.logprobs import linear_token_logprobs
 
     g = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kernels.mx import MXTensor, dequantize_mx, quantize_mx
+from kimi_kernels.mx import MXTensor, dequantize_mx, quantize_mx
 
 from .config import ConfigError, ModelConfig
 from .dtypes import keep_fp32

@@ -1,6 +1,6 @@
 """Any transformers causal LM (Llama, Qwen3-MoE, Qwen3-Next, Kimi Linear, ...) as a policy the learner
 trains exactly like HybridForCausalLM: the same forward signature, token logprobs computed blockwise
-from the last hidden states (kernels/logprobs.py: the [B, T, vocab] logits never exist), the same
+from the last hidden states (kimi_kernels/logprobs.py: the [B, T, vocab] logits never exist), the same
 post-step hook, and a state_dict with transformers' own (runtime) parameter names.
 
     policy = HFPolicy.from_pretrained("path/to/hf_dir")
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.logprobs import linear_token_logprobs
+from kimi_kernels.logprobs import linear_token_logprobs
 
 from .model import CausalLMOutput
 

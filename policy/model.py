@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels.logprobs import linear_token_logprobs
+from kimi_kernels.logprobs import linear_token_logprobs
 
 from .cache import ModelCache
 from .config import ModelConfig, get_config
@@ -39,7 +39,7 @@ class CausalLMOutput:
 
 class LMHead(nn.Linear):
     """The untied output projection (`lm_head.weight`). Called with targets it returns their
-    log-probabilities and the entropies without building the logits (kernels/logprobs.py);
+    log-probabilities and the entropies without building the logits (kimi_kernels/logprobs.py);
     a call, not a weight read from outside, so a sharded engine gathers the weight for it."""
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None,

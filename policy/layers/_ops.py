@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import l2norm, masked_attention, rms_norm, short_conv, situ_glu
+from kimi_kernels.ops import l2norm, masked_attention, rms_norm, short_conv, situ_glu
 
 __all__ = ["glu", "l2norm", "masked_attention", "rms_norm", "short_conv"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.fusion import fused_on_cuda
+from kimi_kernels.fusion import fused_on_cuda
 
 from ._ops import rms_norm
 

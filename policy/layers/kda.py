@@ -1,4 +1,4 @@
-"""KDA mixer layer: projections, short convs, gates and output norm around kernels.kda.
+"""KDA mixer layer: projections, short convs, gates and output norm around kimi_kernels.kda.
 
 Parameter names follow the HF `kimi_k3` / `kimi_linear` checkpoints (self_attn.*):
 q_proj, k_proj, v_proj, {q,k,v}_conv1d.weight [C, 1, W], f_a_proj, f_b_proj, A_log [HV],
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.kda import kda, kda_gate, kda_in_slots
+from kimi_kernels.kda import kda, kda_gate, kda_in_slots
 
 from ..cache import KDACache, SlotKDAView
 from ..config import ModelConfig

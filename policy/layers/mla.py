@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.attention import attention
-from kernels.fusion import fused_on_cuda
-from kernels.mla_decode import mla_decode, mla_decode_supported
-from kernels.ops import masked_logit_max, topk_mask
+from kimi_kernels.attention import attention
+from kimi_kernels.fusion import fused_on_cuda
+from kimi_kernels.mla_decode import mla_decode, mla_decode_supported
+from kimi_kernels.ops import masked_logit_max, topk_mask
 
 from ..cache import MLACache
 from ..config import ModelConfig
@@ -38,7 +38,7 @@ _DECODE_KERNEL = os.environ.get("KIMI_MLA_DECODE_KERNEL", "1") != "0"
 
 
 def set_decode_kernel(enabled: bool) -> bool:
-    """Absorbed decode steps through kernels/mla_decode.py (True) or the fp32 reference attention;
+    """Absorbed decode steps through kimi_kernels/mla_decode.py (True) or the fp32 reference attention;
     returns the previous setting."""
     global _DECODE_KERNEL
     prev, _DECODE_KERNEL = _DECODE_KERNEL, bool(enabled)
@@ -229,7 +229,7 @@ class MLAMixer(nn.Module):
         return torch.einsum("bthl,hvl->bthv", ctx, w_uv)
 
     def _decode_kernel_applies(self, q_abs: torch.Tensor, full: MLACache) -> bool:
-        """One query token per row through kernels/mla_decode.py: where Triton runs, without sinks
+        """One query token per row through kimi_kernels/mla_decode.py: where Triton runs, without sinks
         (the kernel has none) or a gradient (nor a backward), unless turned off."""
         return (_DECODE_KERNEL and self.sinks is None and not (torch.is_grad_enabled() and q_abs.requires_grad)
                 and mla_decode_supported(q_abs, full.latent, full.k_rope))

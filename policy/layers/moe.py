@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.grouped_experts import experts_small_m, experts_small_m_available, small_m_block
+from kimi_kernels.grouped_experts import experts_small_m, experts_small_m_available, small_m_block
 
 from ..config import ModelConfig
 from ._ops import glu
@@ -108,7 +108,7 @@ class StackedExperts(nn.Module):
         if _grouped_mm_usable(zs, self.w1):
             offs = counts.cumsum(0).to(torch.int32)
             block_m = _small_m_block(zs, self.w1)
-            if block_m is not None:  # a decode batch: the fused small-M kernels (kernels/grouped_experts.py)
+            if block_m is not None:  # a decode batch: the fused small-M kernels (kimi_kernels/grouped_experts.py)
                 act, gate_cap, up_cap = self.act
                 return experts_small_m(zs, torch.cat([offs.new_zeros(1), offs]), self.w1, self.w3, self.w2, block_m,
                                        act, float(gate_cap), float(up_cap))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.ops import gated_rms_norm
+from kimi_kernels.ops import gated_rms_norm
 
 from ._ops import rms_norm
 

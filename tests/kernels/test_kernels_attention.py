@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import attention, attention_backend
-from kernels.ops import masked_attention, topk_to_mask
+from kimi_kernels.attention import attention, attention_backend
+from kimi_kernels.ops import masked_attention, topk_to_mask
 
 
 def _qkv(B: int, Tq: int, Tk: int, Hq: int, Hk: int, Dk: int, Dv: int, seed: int = 0):

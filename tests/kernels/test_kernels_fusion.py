@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fusion import fused_on_cuda, set_fusion
-from kernels.kda import kda_gate
-from kernels.ops import _causal_depthwise, gated_rms_norm, l2norm, masked_logit_max, rms_norm, situ_glu, topk_mask
+from kimi_kernels.fusion import fused_on_cuda, set_fusion
+from kimi_kernels.kda import kda_gate
+from kimi_kernels.ops import _causal_depthwise, gated_rms_norm, l2norm, masked_logit_max, rms_norm, situ_glu, topk_mask
 from policy.layers.attnres import _mix as attn_res_mix
 from policy.layers.mla import _weighted_relu_scores
 

@@ -1,4 +1,4 @@
-"""The small-M expert kernels (kernels/grouped_experts.py) against the per-expert products.
+"""The small-M expert kernels (kimi_kernels/grouped_experts.py) against the per-expert products.
 
 They run on CUDA (bf16, what the policy's decode uses) or, without a GPU, under Triton's
 interpreter in float32 (its bf16 products are wrong):
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.grouped_experts import ROW_BLOCKS, experts_small_m, experts_small_m_available, small_m_block
-from kernels.ops import situ_glu
+from kimi_kernels.grouped_experts import ROW_BLOCKS, experts_small_m, experts_small_m_available, small_m_block
+from kimi_kernels.ops import situ_glu
 from tests.kernels.triton_interpreter import DEVICE, ON_CUDA, needs_interpreter_site, run_under_interpreter
 
 usable = pytest.mark.skipif(not experts_small_m_available(torch.empty(0, device=DEVICE)),

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.kda as kda_module
-from kernels.kda import (fla_available, inference_chunk_size, kda, kda_chunk, kda_gate, kda_in_slots,
+import kimi_kernels.kda as kda_module
+from kimi_kernels.kda import (fla_available, inference_chunk_size, kda, kda_chunk, kda_gate, kda_in_slots,
                          kda_recurrent)
 
 
@@ -274,7 +274,7 @@ def test_kda_gate_forms():
 
 
 def test_backend_default_switch():
-    from kernels.kda import kda_backend, set_kda_backend
+    from kimi_kernels.kda import kda_backend, set_kda_backend
 
     q, k, v, g, beta, _ = make_inputs(T=9, seed=18)
     with kda_backend("torch"):

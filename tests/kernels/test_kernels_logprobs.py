@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.logprobs import linear_token_logprobs
+from kimi_kernels.logprobs import linear_token_logprobs
 
 
 def _reference(h, w, t, scale):

@@ -1,4 +1,4 @@
-"""MLA's absorbed decode kernel (kernels/mla_decode.py) against the fp32 reference attention.
+"""MLA's absorbed decode kernel (kimi_kernels/mla_decode.py) against the fp32 reference attention.
 
 It runs on CUDA (bf16, what decode uses) or, without a GPU, under Triton's interpreter in float32:
     TRITON_INTERPRET=1 PYTHONPATH=<triton's site> pytest tests/kernels/test_kernels_mla_decode.py
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import mla_decode as kernel
-from kernels.ops import masked_attention
+from kimi_kernels import mla_decode as kernel
+from kimi_kernels.ops import masked_attention
 from tests.kernels.triton_interpreter import DEVICE, ON_CUDA, needs_interpreter_site, run_under_interpreter
 
 DTYPE = torch.bfloat16 if ON_CUDA else torch.float32  # the interpreter's bf16 products are wrong

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mx import MXTensor, dequantize_mx, quantize_mx
+from kimi_kernels.mx import MXTensor, dequantize_mx, quantize_mx
 
 FP4_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

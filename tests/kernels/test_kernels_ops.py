@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import (l2norm, masked_attention, masked_logit_max, rms_norm, short_conv, situ_glu, topk_mask,
+from kimi_kernels.ops import (l2norm, masked_attention, masked_logit_max, rms_norm, short_conv, situ_glu, topk_mask,
                          topk_to_mask)
 
 

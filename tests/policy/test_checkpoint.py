@@ -82,7 +82,7 @@ def test_sharded_save_loads(tmp_path):
 
 
 def test_mxfp4_experts_and_bf16_save(tmp_path):
-    from kernels.mx import dequantize_mx, quantize_mx
+    from kimi_kernels.mx import dequantize_mx, quantize_mx
 
     m = _model(moe_intermediate_size=32, routed_expert_hidden_size=64)
     policy.save_pretrained(m, tmp_path, mxfp4_experts=True, dtype=torch.bfloat16)

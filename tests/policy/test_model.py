@@ -170,7 +170,7 @@ def test_repeated_scatter_does_not_grow_the_key_axis(model):
 def test_fused_attention_path_matches_reference_in_decode_and_training(model):
     """The SDPA path the GPU takes (forced here on CPU) gives the reference's logits and gradients,
     for a prefill-and-decode with a padded batch and a training forward with DSA top-k."""
-    from kernels.attention import attention_backend
+    from kimi_kernels.attention import attention_backend
 
     x = torch.randint(0, 64, (2, 12))
     with torch.no_grad():

@@ -3,7 +3,7 @@
 In a decode step the MLA layer folds W_UK into the query and attends in the latent space: every
 query head against one shared key head [latent, k_rope] (512 + 64 wide at the Kimi-Linear shape),
 the latent also being the value. No fused SDPA kernel takes those head dims, and the fp32 reference
-(kernels.ops.masked_attention) upcasts the keys, concatenates them, runs SIMT fp32 products and a
+(kimi_kernels.ops.masked_attention) upcasts the keys, concatenates them, runs SIMT fp32 products and a
 dozen softmax and mask kernels: ~0.28 ms of a 2.8 ms step at 64 sequences on an H100. Here a
 program holds a block of one row's query heads and walks that row's keys once with an online
 softmax (flash-decoding), splitting long key ranges over programs whose partial results are merged

@@ -1,6 +1,6 @@
 """Softmax attention for the global (MLA / DSA) layers, with a fused fast path.
 
-`attention()` keeps `kernels.ops.masked_attention`'s contract (the fp32 reference and oracle)
+`attention()` keeps `kimi_kernels.ops.masked_attention`'s contract (the fp32 reference and oracle)
 and, by default on CUDA, runs PyTorch's fused `scaled_dot_product_attention` instead:
 - plain causal attention over a full cache (the training forward of a packed batch) takes the
   flash kernel: q/k and v head dims are zero-padded to one size (zeros add nothing to q.k and
@@ -53,7 +53,7 @@ def attention_backend(name: str) -> Iterator[None]:
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, causal: bool = True,
               key_mask: Tensor | None = None, mask: Tensor | None = None,
               sink: Tensor | None = None, backend: str | None = None) -> Tensor:
-    """Shapes and masks as in `kernels.ops.masked_attention`; returns [B, Tq, Hq, Dv] in v's dtype."""
+    """Shapes and masks as in `kimi_kernels.ops.masked_attention`; returns [B, Tq, Hq, Dv] in v's dtype."""
     backend = _default_backend if backend is None else backend
     if backend not in _BACKENDS:
         raise ValueError(f"attention: backend must be one of {_BACKENDS}, got {backend!r}")
