@@ -517,8 +517,8 @@ class NativeEngine(RolloutEngine):
         """Feed seqs[b] its next take[b] tokens (one token from the device where sources[b] >= 0):
         the fixed-shape step for one token each or up to `prefill_graph_tokens`, else the general
         forward. Returns the last fed token's logits [B, vocab] float32 (on the device; a fixed-shape
-        step's may be overwritten by the next one of its kind, decode or prefill) and, when recorded, the routing on the
-        host [B, T, n_moe, k] int16, valid once the step's event has passed."""
+        step's may be overwritten by the next one of its kind, decode or prefill) and, when recorded,
+        the routing on the host [B, T, n_moe, k] int16, valid once the step's event has passed."""
         if self._graphs is not None and (max(take) == 1 or max(take) <= self.prefill_graph_tokens):
             tokens = [[0] if src >= 0 else s.tokens[s.fed:s.fed + n] for s, n, src in zip(seqs, take, sources)]
             logits, routing = self._graphs.step([s.slot for s in seqs], tokens, sources)
