@@ -178,8 +178,9 @@ class RolloutConfig(Section):
     decode_feed_tokens: int = Field(default=0, ge=0)
     # native engine with CUDA graphs (ignored elsewhere): inputs of 2 to this many tokens (tool results)
     # are prefilled by a graph of their padded shape too, instead of an eager forward's launches. In
-    # configs/gpu_small.yaml's pipeline on an H200, 64 made rollout ~1.6x faster once its graphs were
-    # captured (the engines then wait on the GPU, not on launches; benchmarks/RESULTS.md); 0 turns it off
+    # configs/gpu_small.yaml's pipeline on an H200, 64 made rollout 1.28x faster in steps 1-3 (1.59x over
+    # steps 1-7 across two calls; the engines then wait on the GPU, not on launches; benchmarks/RESULTS.md);
+    # 0 turns it off
     prefill_graph_tokens: int = Field(default=64, ge=0, le=256)
     # native engine: the fixed-shape decode step compiled by torch.compile (one graph, symbolic batch
     # and key length: two compiles per engine). On a CPU 1.15-1.7x on steady decode benchmarks, but the
