@@ -9,7 +9,8 @@ decode (rl/rollout/decode_graphs.py), the graphs with overlapped steps (each lau
 last one's tokens are read back: the engine's default on a GPU), those with the captured step
 compiled by torch.compile (`rollout.compile_decode`), and that with the routed experts on CUTLASS's
 grouped GEMM instead of the small-M kernels (kimi_kernels/grouped_experts.py), and graphs + overlap with
-MLA's absorbed decode attention on the fp32 reference instead of kimi_kernels/mla_decode.py; the same
+MLA's absorbed decode attention on the fp32 reference instead of kimi_kernels/mla_decode.py, or on that
+kernel with the keys gathered out of the cache's blocks first (as before it read them in place); the same
 sequences and tokens. `--long-context N` then prefills one
 N-token prompt (in chunks of --chunk tokens) and decodes from it: time, decode rate, peak memory.
 
@@ -53,12 +54,14 @@ class Mode(NamedTuple):
     compile: bool
     small_m: bool  # decode batches' experts on the small-M kernels (else CUTLASS's grouped GEMM)
     mla_kernel: bool = True  # MLA's absorbed decode attention on kimi_kernels/mla_decode.py (else the fp32 reference)
+    paged_keys: bool = True  # that kernel reads the paged cache's keys in place (else gathered into [B, S] first)
 
 
 MODES = {"eager": Mode(False, False, False, True), "CUDA graphs": Mode(True, False, False, True),
          "graphs + overlap": Mode(True, True, False, True), "compiled": Mode(True, True, True, True),
          "compiled, grouped GEMM": Mode(True, True, True, False),
-         "graphs + overlap, fp32 MLA attention": Mode(True, True, False, True, False)}
+         "graphs + overlap, fp32 MLA attention": Mode(True, True, False, True, False),
+         "graphs + overlap, gathered MLA keys": Mode(True, True, False, True, True, False)}
 
 
 def sync() -> None:
@@ -183,11 +186,13 @@ def transformers_decode(twin, seqs: int, prompt: int, new: int, vocab: int) -> d
 
 
 def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, overlap: bool = False,
-           compile: bool = False, small_m: bool = True, mla_kernel: bool = True, chunk: int = 8192, around_decode=contextlib.nullcontext,
+           compile: bool = False, small_m: bool = True, mla_kernel: bool = True, paged_keys: bool = True,
+           chunk: int = 8192, around_decode=contextlib.nullcontext,
            host_profile: cProfile.Profile | None = None, after_step=None) -> dict:
     """`small_m`: a decode batch's routed experts on the small-M Triton kernels (else CUTLASS's grouped
     GEMM, as a prefill's); `mla_kernel`: MLA's absorbed decode attention on kimi_kernels/mla_decode.py
-    (else the fp32 reference); `around_decode`: a context manager (factory) the decode phase runs in,
+    (else the fp32 reference); `paged_keys`: that kernel reads the keys in the cache's blocks (else
+    gathered into [B, S] first); `around_decode`: a context manager (factory) the decode phase runs in,
     after the prefills;
     `host_profile`: profiles the engine's steps (its own thread) during the decode phase;
     `after_step`: called after each of the engine's steps of the decode phase."""
@@ -244,12 +249,14 @@ def decode(model, seqs: int, prompt: int, new: int, vocab: int, graphs: bool, ov
     from policy.layers import mla, moe
 
     small_m_before, mla_before = moe.set_small_m(small_m), mla.set_decode_kernel(mla_kernel)
+    paged_before = mla.set_paged_keys(paged_keys)
     try:
         with host_phases(engine) as phases, gpu_timeline(engine) as timeline:
             wall_s = asyncio.run(run())
     finally:
         moe.set_small_m(small_m_before)
         mla.set_decode_kernel(mla_before)
+        mla.set_paged_keys(paged_before)
     # graphs are captured once per shape per engine (here, in the decode phase's first steps; compiling
     # the step, when compiled, is part of it): the steady rate leaves that time out, which a run's
     # thousands of steps amortise

@@ -139,6 +139,46 @@ class MLACache:
         )
 
 
+class PagedMLAKeys:
+    """An MLA layer's keys for one forward of a paged cache (policy/slot_cache.py), left where they
+    are: row b's key t at row index[b, t] of the pools (the past's, then the new tokens' just
+    written there). The decode kernel reads them through the index (kimi_kernels.mla_decode_paged);
+    `latent` / `k_rope` gather the past and append the new tokens as given (MLACache's layout, for
+    prefills and the reference path) on first use only."""
+
+    def __init__(self, pool_latent: Tensor, pool_rope: Tensor, past_index: Tensor, new_index: Tensor,
+                 new_latent: Tensor, new_rope: Tensor, valid: Tensor, index_k: Tensor | None) -> None:
+        self.pool_latent, self.pool_rope = pool_latent, pool_rope  # [N, kv_lora_rank], [N, qk_rope_head_dim]
+        self.index = torch.cat([past_index, new_index], 1)  # [B, S]
+        self._past_index, self._new_latent, self._new_rope = past_index, new_latent, new_rope
+        self.valid = valid  # [B, S] bool
+        self.index_k = index_k  # [B, S, index_head_dim] (DSA), gathered
+        self._latent: Tensor | None = None
+        self._k_rope: Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.index.shape[1]
+
+    @property
+    def latent(self) -> Tensor:
+        if self._latent is None:  # (not functools.cached_property: torch.compile breaks its graph on it)
+            past = self.pool_latent[self._past_index].to(self._new_latent.dtype)
+            self._latent = torch.cat([past, self._new_latent], 1)
+        return self._latent
+
+    @property
+    def k_rope(self) -> Tensor:
+        if self._k_rope is None:
+            past = self.pool_rope[self._past_index].to(self._new_rope.dtype)
+            self._k_rope = torch.cat([past, self._new_rope], 1)
+        return self._k_rope
+
+
 LayerCache = KDACache | SlotKDAView | MLACache
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .cache import KDACache, MLACache, ModelCache, SlotKDAView
+from .cache import KDACache, ModelCache, PagedMLAKeys, SlotKDAView
 from .config import ModelConfig
 from .transfer import to_device
 
@@ -40,9 +40,9 @@ class _MLAPool:
 
 
 class PagedMLAView:
-    """One MLA layer's keys for the rows of a forward: their past (gathered from the blocks, each
-    row's keys at the front, shorter rows padded with invalid slots) and, on `append`, the new
-    tokens, whose real ones are written into the blocks."""
+    """One MLA layer's keys for the rows of a forward: their past (each row's keys at the front of
+    its index into the blocks, shorter rows padded with invalid slots) and, on `append`, the new
+    tokens, whose real ones are written into the blocks (the keys then stay there: PagedMLAKeys)."""
 
     def __init__(self, pool: _MLAPool, past_index: Tensor, past_valid: Tensor, write_index: Tensor,
                  new_valid: Tensor, scratch: int) -> None:
@@ -62,27 +62,23 @@ class PagedMLAView:
         return self.past_index.shape[0]
 
     def append(self, latent: Tensor, k_rope: Tensor, index_k: Tensor | None,
-               valid: Tensor | None = None) -> MLACache:
+               valid: Tensor | None = None) -> PagedMLAKeys:
         real = self.new_valid if valid is None else self.new_valid & valid
-        where = torch.where(real, self.write_index, self.scratch).reshape(-1)  # padding: into the scratch block
+        where = torch.where(real, self.write_index, self.scratch)  # padding: into the scratch block
 
         def write(pool: Tensor, new: Tensor) -> None:
-            pool.index_copy_(0, where, new.reshape(-1, new.shape[-1]).to(pool.dtype))
+            pool.index_copy_(0, where.reshape(-1), new.reshape(-1, new.shape[-1]).to(pool.dtype))
 
         write(self.pool.latent, latent)
         write(self.pool.k_rope, k_rope)
         if index_k is not None and self.pool.index_k is not None:
             write(self.pool.index_k, index_k)
 
-        def past(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t[self.past_index]
-
         ik = None
         if index_k is not None:
-            ik = torch.cat([past(self.pool.index_k).to(index_k.dtype), index_k], 1)
-        return MLACache(torch.cat([past(self.pool.latent).to(latent.dtype), latent], 1),
-                        torch.cat([past(self.pool.k_rope).to(k_rope.dtype), k_rope], 1),
-                        torch.cat([self.past_valid, real], 1), ik)
+            ik = torch.cat([self.pool.index_k[self.past_index].to(index_k.dtype), index_k], 1)
+        return PagedMLAKeys(self.pool.latent, self.pool.k_rope, self.past_index, where, latent, k_rope,
+                            torch.cat([self.past_valid, real], 1), ik)
 
 
 class CacheFull(RuntimeError):

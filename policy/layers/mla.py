@@ -23,10 +23,10 @@ from torch import nn
 
 from kimi_kernels.attention import attention
 from kimi_kernels.fusion import fused_on_cuda
-from kimi_kernels.mla_decode import mla_decode, mla_decode_supported
+from kimi_kernels.mla_decode import mla_decode, mla_decode_paged, mla_decode_supported
 from kimi_kernels.ops import masked_logit_max, topk_mask
 
-from ..cache import MLACache
+from ..cache import MLACache, PagedMLAKeys
 from ..config import ModelConfig
 from .norms import RMSNorm
 
@@ -35,6 +35,8 @@ _INDEX_HEAD_CHUNK = 8
 _QK_STAT_CHUNK = 1024
 # KIMI_MLA_DECODE_KERNEL=0 keeps absorbed decode steps on the fp32 reference (benchmarks compare the two)
 _DECODE_KERNEL = os.environ.get("KIMI_MLA_DECODE_KERNEL", "1") != "0"
+# KIMI_MLA_PAGED_KEYS=0 gathers a paged cache's keys before the decode kernel (benchmarks compare the two)
+_PAGED_KEYS = os.environ.get("KIMI_MLA_PAGED_KEYS", "1") != "0"
 
 
 def set_decode_kernel(enabled: bool) -> bool:
@@ -42,6 +44,14 @@ def set_decode_kernel(enabled: bool) -> bool:
     returns the previous setting."""
     global _DECODE_KERNEL
     prev, _DECODE_KERNEL = _DECODE_KERNEL, bool(enabled)
+    return prev
+
+
+def set_paged_keys(enabled: bool) -> bool:
+    """The decode kernel reads a paged cache's keys in place (True) or gathered into [B, S] first;
+    returns the previous setting."""
+    global _PAGED_KEYS
+    prev, _PAGED_KEYS = _PAGED_KEYS, bool(enabled)
     return prev
 
 
@@ -219,20 +229,29 @@ class MLAMixer(nn.Module):
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_lat = torch.einsum("bthn,hnl->bthl", q[..., :self.nope], w_uk)
         q_abs = torch.cat([q_lat, q[..., self.nope:]], -1)  # [B, T, H, L + R]
-        if q.shape[1] == 1 and self._decode_kernel_applies(q_abs, full):
+        kernel = self._decode_kernel(q_abs, full) if q.shape[1] == 1 else None
+        if kernel is not None:
             keys = full.valid if selected is None else full.valid & selected[:, 0]
-            ctx = mla_decode(q_abs[:, 0], full.latent, full.k_rope, keys, self.scale).unsqueeze(1)
-            return torch.einsum("bthl,hvl->bthv", ctx, w_uv)
+            if kernel == "paged":  # the keys where the paged cache keeps them, never gathered
+                ctx = mla_decode_paged(q_abs[:, 0], full.pool_latent, full.pool_rope, full.index, keys, self.scale)
+            else:
+                ctx = mla_decode(q_abs[:, 0], full.latent, full.k_rope, keys, self.scale)
+            return torch.einsum("bthl,hvl->bthv", ctx.unsqueeze(1), w_uv)
         k_abs = torch.cat([full.latent, full.k_rope], -1).unsqueeze(2)  # [B, S, 1, L + R]
         ctx = attention(q_abs, k_abs, full.latent.unsqueeze(2), scale=self.scale, causal=True,
                         key_mask=full.valid, mask=selected, sink=self.sinks)  # [B, T, H, L]
         return torch.einsum("bthl,hvl->bthv", ctx, w_uv)
 
-    def _decode_kernel_applies(self, q_abs: torch.Tensor, full: MLACache) -> bool:
-        """One query token per row through kimi_kernels/mla_decode.py: where Triton runs, without sinks
-        (the kernel has none) or a gradient (nor a backward), unless turned off."""
-        return (_DECODE_KERNEL and self.sinks is None and not (torch.is_grad_enabled() and q_abs.requires_grad)
-                and mla_decode_supported(q_abs, full.latent, full.k_rope))
+    def _decode_kernel(self, q_abs: torch.Tensor, full: MLACache | PagedMLAKeys) -> str | None:
+        """Which of kimi_kernels/mla_decode.py's ops takes a query token per row, if one does: where
+        Triton runs, without sinks (the kernel has none) or a gradient (nor a backward), unless turned
+        off. "paged": paged keys whose pools hold q's dtype; "gathered": keys in [B, S] layout."""
+        if not (_DECODE_KERNEL and self.sinks is None and not (torch.is_grad_enabled() and q_abs.requires_grad)):
+            return None
+        if _PAGED_KEYS and isinstance(full, PagedMLAKeys) and mla_decode_supported(q_abs, full.pool_latent,
+                                                                                    full.pool_rope):
+            return "paged"
+        return "gathered" if mla_decode_supported(q_abs, full.latent, full.k_rope) else None
 
     # ---- QK-Clip ---------------------------------------------------------------------------
     @torch.no_grad()

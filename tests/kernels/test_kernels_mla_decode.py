@@ -62,6 +62,35 @@ def test_mla_decode_split_key_ranges_merge_to_the_reference(monkeypatch):
     _close(kernel.mla_decode(q, latent, rope, valid, 0.1), _reference(q, latent, rope, valid, 0.1))
 
 
+@usable
+@pytest.mark.parametrize("min_split", [256, 32])
+def test_paged_keys_give_what_gathered_keys_give(monkeypatch, min_split):
+    """Keys read through a per-row index of pool positions (scattered, shared between rows, invalid
+    ones pointing anywhere) equal the same keys gathered into [B, S] first, in one program per row
+    and split over several."""
+    monkeypatch.setattr(kernel, "_MIN_KEYS_PER_SPLIT", min_split)
+    B, H, S, N, L, R = 3, 20, 150, 400, 64, 16
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, L + R, generator=gen).to(DEVICE, DTYPE)
+    pool_latent = torch.randn(N, L, generator=gen).to(DEVICE, DTYPE)
+    pool_rope = torch.randn(N, R, generator=gen).to(DEVICE, DTYPE)
+    index = torch.randint(0, N, (B, S), generator=gen)
+    index[1, :40] = index[0, :40]  # a forked row's shared prefix
+    valid = (torch.rand(B, S, generator=gen) < 0.8).to(DEVICE)
+    index = index.to(DEVICE)
+    paged = kernel.mla_decode_paged(q, pool_latent, pool_rope, index, valid, 0.1)
+    gathered = kernel.mla_decode(q, pool_latent[index], pool_rope[index], valid, 0.1)
+    assert torch.equal(paged, gathered)
+    _close(paged, _reference(q, pool_latent[index], pool_rope[index], valid, 0.1))
+
+
+def test_paged_mla_decode_refuses_a_batched_pool():
+    q = torch.zeros(2, 4, 80)
+    with pytest.raises(ValueError, match="latent_pool \\[N, L\\]"):
+        kernel.mla_decode_paged(q, torch.zeros(2, 9, 64), torch.zeros(2, 9, 16), torch.zeros(2, 9, dtype=torch.long),
+                                torch.ones(2, 9, dtype=torch.bool), 1.0)
+
+
 def test_mla_decode_refuses_mismatched_shapes():
     q = torch.zeros(2, 4, 80)
     with pytest.raises(ValueError, match="latent \\[B, S, L\\]"):
@@ -93,8 +122,49 @@ def test_mla_layer_decode_step_uses_the_kernel(monkeypatch):
     _close(fast, slow)
 
 
+@usable
+def test_a_decode_step_on_a_paged_cache_reads_the_pools_through_the_paged_op(monkeypatch):
+    """The model's decode step on a slot cache's view (as the rollout engine runs it: two rows of
+    different lengths, their keys in scattered blocks) calls mla_decode_paged once per MLA layer, never
+    the gathering op, and gives the logits the reference attention gives on the same cache."""
+    from policy import build_model
+    from policy.layers import mla
+    from policy.slot_cache import SlotCache
+
+    model = build_model("toy", device=DEVICE, dtype=DTYPE).eval()
+    n_mla = sum(layer.kind != "kda" for layer in model.model.layers)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in (37, 20)]
+
+    def decode_logits() -> torch.Tensor:
+        cache = SlotCache(model, max_slots=2, num_blocks=16, block_size=4)
+        slots = [cache.alloc(), cache.alloc()]
+        for slot, prompt in zip(slots, prompts):
+            cache.reserve(slot, len(prompt) + 1)
+            model(prompt[None].to(DEVICE), cache=cache.view([slot], [len(prompt)], len(prompt)), use_cache=True)
+            cache.advance([slot], [len(prompt)])
+        step = torch.tensor([[7], [9]], device=DEVICE)
+        return model(step, cache=cache.view(slots, [1, 1], 1), use_cache=True, logits_to_keep=1).logits
+
+    calls = {"paged": 0, "gathered": 0}
+    real_paged, real_gathered = mla.mla_decode_paged, mla.mla_decode
+    monkeypatch.setattr(mla, "mla_decode_paged", lambda *a: calls.__setitem__("paged", calls["paged"] + 1)
+                        or real_paged(*a))
+    monkeypatch.setattr(mla, "mla_decode", lambda *a: calls.__setitem__("gathered", calls["gathered"] + 1)
+                        or real_gathered(*a))
+    with torch.no_grad():
+        fast = decode_logits()
+        assert calls == {"paged": n_mla, "gathered": 0}
+        before = mla.set_decode_kernel(False)
+        try:
+            slow = decode_logits()
+        finally:
+            mla.set_decode_kernel(before)
+    _close(fast, slow)
+
+
 @pytest.mark.skipif(kernel.mla_decode_supported(_probe, _probe, _probe), reason="the kernel tests run in this process")
 @needs_interpreter_site
 def test_the_kernel_tests_pass_under_triton_s_interpreter():
-    run = run_under_interpreter(__file__, "equals_the_reference or merge_to or uses_the_kernel")
-    assert run.returncode == 0 and "4 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    run = run_under_interpreter(__file__, "equals_the_reference or merge_to or uses_the_kernel or paged")
+    assert run.returncode == 0 and "8 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
