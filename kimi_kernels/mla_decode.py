@@ -8,7 +8,9 @@ dozen softmax and mask kernels: ~0.28 ms of a 2.8 ms step at 64 sequences on an 
 program holds a block of one row's query heads and walks that row's keys once with an online
 softmax (flash-decoding), splitting long key ranges over programs whose partial results are merged
 after. Scores are products of the bf16 inputs summed in fp32 (what the reference computes from the
-upcast inputs, up to the order of the sums); the probabilities stay fp32 into the value product.
+upcast inputs, up to the order of the sums); the probabilities are rounded to the inputs' dtype for
+the value product, summed in fp32 (as flash attention does: the fp32 product on SIMT lanes made the
+kernel 3-4x slower, at 5-6% of the bandwidth bound on the H200).
 
     out[b, h] = sum_s softmax_s(scale * q[b, h] . [latent[b, s], rope[b, s]]  over valid s) latent[b, s]
 
@@ -34,9 +36,11 @@ except ImportError:  # CPU-only installs: the reference path is used (`mla_decod
 __all__ = ["mla_decode", "mla_decode_paged", "mla_decode_supported"]
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
-BLOCK_H, BLOCK_T = 16, 32  # query heads per program (tl.dot's least M), keys per step
+# query heads per program (Kimi-Linear's 32: each key read once per row), keys per step; these and
+# _TARGET_PROGRAMS measured best on the H200 over 256-128K keys (benchmarks/mla_paged_decode.py)
+BLOCK_H, BLOCK_T = 32, 64
 _MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merging than it saves
-_TARGET_PROGRAMS = 264  # about two programs per multiprocessor of an H100 / H200 (132)
+_TARGET_PROGRAMS = 528  # about four programs per multiprocessor of an H100 / H200 (132)
 
 
 def mla_decode_supported(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> bool:
@@ -67,7 +71,8 @@ if triton is not None:
         SPLIT: write the unnormalised accumulator and its running max and sum (merged after);
         else the normalised output. PAGED: key t of row b is row idx[b, t] of the pools (whose
         row strides are stride_ls / stride_rs; stride_lb / stride_rb unused); else row t of batch b."""
-        b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # int64 row: b * stride_lb passes 2**31 elements at 64 rows of 128K keys
+        b, hb, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = heads < H
         dv, dr = tl.arange(0, DV), tl.arange(0, DR)
@@ -99,7 +104,7 @@ if triton is not None:
             alpha = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, lat.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)  # on tensor cores, p rounded to bf16
             m = m_new
         if SPLIT:
             part = b * stride_ob + sp * stride_os + heads

@@ -280,11 +280,35 @@ class SlotCache:
         pos = np.arange(P)
         past_valid = pos[None] < lens[:, None]  # [B, P]
         past_index = tables[:, np.minimum(pos // bs, last)] * bs + pos % bs  # rows' keys at the front
+        return (past_index, past_valid) + self.new_indices(slots, n_new, width)
+
+    def new_indices(self, slots: list[int], n_new: list[int], width: int) -> tuple[np.ndarray, np.ndarray]:
+        """`indices`' write_index / new_valid alone (on the host): [B, width] each."""
+        lens = np.array([self.lengths[s] for s in slots], dtype=np.int64)
+        bs = self.block_size
+        tables = self._table_np[slots]
+        last = tables.shape[1] - 1
         new_pos = lens[:, None] + np.arange(width)[None]  # [B, width]
         real = np.arange(width)[None] < np.array(n_new)[:, None]
         blocks = np.take_along_axis(tables, np.minimum(new_pos // bs, last), 1)
         write_index = np.where(real, blocks * bs + new_pos % bs, self.num_blocks * bs)
-        return past_index, past_valid, write_index, real
+        return write_index, real
+
+    def block_tables(self, slots: list[int], n_blocks: int) -> np.ndarray:
+        """[len(slots), n_blocks]: each slot's first n_blocks blocks (on the host), 0 past its table
+        (keys there are invalid: read, then masked). What `past_from_tables` turns into key indices."""
+        tables = self._table_np[slots, :n_blocks]
+        if tables.shape[1] < n_blocks:
+            tables = np.pad(tables, ((0, 0), (0, n_blocks - tables.shape[1])))
+        return tables
+
+    def past_from_tables(self, tables: Tensor, lengths: Tensor, keys: int) -> tuple[Tensor, Tensor]:
+        """`indices`' past_index / past_valid [B, keys], computed where `tables` [B, >= keys / block]
+        (block_tables) and `lengths` [B] are: a step's inputs on a GPU are then the tables, a
+        block_size-th of the keys, instead of two [B, keys] arrays built on the host every step."""
+        pos = torch.arange(keys, device=tables.device)
+        blocks = tables.index_select(1, pos // self.block_size)  # [B, keys]
+        return blocks * self.block_size + pos % self.block_size, pos[None] < lengths[:, None]
 
     def view_of(self, slots: Tensor, past_index: Tensor, past_valid: Tensor, write_index: Tensor,
                 new_valid: Tensor, lengths: Tensor) -> ModelCache:

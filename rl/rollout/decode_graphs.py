@@ -5,7 +5,9 @@ step is bound by the launches, not by the GPU. Captured once per shape in a CUDA
 one launch. A graph fixes every shape and address, so a decode batch is padded to the next batch
 bucket (padding rows read and write the slot cache's scratch slot and block) and every row's past
 keys to the next key-length bucket (masked); the step's inputs are copied into buffers the graph
-reads, its outputs read from buffers it writes. Inside the graph the forward updates the KDA
+reads, its outputs read from buffers it writes. The past keys' positions in the blocks are computed
+inside the step from the rows' block tables (a block_size-th of the keys): built on the host, they
+were two [B, keys] arrays a step, 9 ms of host time at 32 rows of 8K keys. Inside the graph the forward updates the KDA
 states in their slots and writes the new keys into their blocks; the step then writes the new conv
 windows into the slots.
 
@@ -48,7 +50,7 @@ MIN_TOKEN_BUCKET = 16  # a prefill's tokens per row: powers of two from here (fe
 # not transient (one that is, as a collection freeing a graph mid-capture, costs one shape only)
 MAX_CAPTURE_FAILURES = 3
 # a step's inputs, in the order of its packed input tensor: one value per row, then `width` per row,
-# then the past keys' two of `keys` per row
+# then the row's block table (keys / block_size: the step turns it into the past keys' index and mask)
 _ROW_COLUMNS = ("source", "slots", "lengths")
 _TOKEN_COLUMNS = ("ids", "write_index", "new_valid")
 
@@ -72,18 +74,18 @@ class _Buffers:
     """One shape's inputs and outputs, at fixed addresses. The inputs are column ranges of one int64
     tensor, filled on the host in a (pinned) staging copy and sent in one transfer a step."""
 
-    def __init__(self, batch: int, width: int, keys: int, device: torch.device) -> None:
-        # source, slots, lengths: [B, 1]; ids, write_index, new_valid: [B, width]; past_index, past_valid:
-        # [B, keys] (the valid flags as 0/1: the step turns them into masks; source: -1, or the row of the
-        # fed-back tokens that is this row's input instead of ids)
+    def __init__(self, batch: int, width: int, keys: int, block_size: int, device: torch.device) -> None:
+        # source, slots, lengths: [B, 1]; ids, write_index, new_valid: [B, width] (the valid flags as 0/1:
+        # the step turns them into masks; source: -1, or the row of the fed-back tokens that is this row's
+        # input instead of ids); tables: [B, keys / block_size], the blocks of the row's past keys
         widths = {**{name: 1 for name in _ROW_COLUMNS}, **{name: width for name in _TOKEN_COLUMNS},
-                  "past_index": keys, "past_valid": keys}
+                  "tables": -(-keys // block_size)}
         self.columns: dict[str, slice] = {}
         start = 0
         for name, w in widths.items():
             self.columns[name] = slice(start, start + w)
             start += w
-        self.width, self.keys = width, keys
+        self.width, self.block_size = width, block_size
         self.packed = torch.zeros(batch, start, dtype=torch.long, device=device)
         self.staging = torch.zeros(self.packed.shape, dtype=torch.long, pin_memory=device.type == "cuda")
         self.sent: torch.cuda.Event | None = None  # the last transfer out of `staging`
@@ -94,7 +96,7 @@ class _Buffers:
         return self.packed[:, self.columns[name]]
 
     def unpacked(self) -> dict[str, torch.Tensor]:
-        """Every column, the past keys' cut by the packed tensor's own width rather than the stored
+        """Every column, the block tables' cut by the packed tensor's own width rather than the stored
         slices: under torch.compile with symbolic sizes that cut is then symbolic too (stored ints are
         guarded; `width` is one per compiled step)."""
         cols = {name: self.packed[:, i:i + 1] for i, name in enumerate(_ROW_COLUMNS)}
@@ -102,9 +104,7 @@ class _Buffers:
         for name in _TOKEN_COLUMNS:
             cols[name] = self.packed[:, start:start + self.width]
             start += self.width
-        keys = (self.packed.shape[1] - start) // 2
-        cols["past_index"] = self.packed[:, start:start + keys]
-        cols["past_valid"] = self.packed[:, start + keys:]
+        cols["tables"] = self.packed[:, start:]
         return cols
 
 
@@ -160,7 +160,7 @@ class DecodeGraphs:
 
     # ---- inputs ------------------------------------------------------------------------------
     def _allocate(self, batch: int, width: int, keys: int) -> _Buffers:
-        buf = self._buffers[(batch, width, keys)] = _Buffers(batch, width, keys, self.device)
+        buf = self._buffers[(batch, width, keys)] = _Buffers(batch, width, keys, self.cache.block_size, self.device)
         # one graph for every decode bucket (a batch of one, which dynamo specialises, has its own)
         if self._symbolic and width == 1:
             torch._dynamo.mark_dynamic(buf.packed, 1)
@@ -173,7 +173,7 @@ class DecodeGraphs:
         scratch slot and block."""
         n, width = len(slots), buf.width
         n_new = [len(t) for t in tokens]
-        past_index, past_valid, write_index, real = self.cache.indices(slots, n_new, width, buf.keys)
+        write_index, real = self.cache.new_indices(slots, n_new, width)
         if buf.sent is not None:
             buf.sent.synchronize()  # the last step's transfer has left the staging copy
         host, col = buf.staging.numpy(), buf.columns
@@ -187,8 +187,7 @@ class DecodeGraphs:
         host[rows, col["lengths"]] = np.asarray([self.cache.lengths[s] for s in slots])[:, None]
         host[rows, col["write_index"]] = write_index
         host[rows, col["new_valid"]] = real
-        host[rows, col["past_index"]] = past_index
-        host[rows, col["past_valid"]] = past_valid
+        host[rows, col["tables"]] = self.cache.block_tables(slots, col["tables"].stop - col["tables"].start)
         host[pad] = 0
         host[pad, col["source"]] = -1
         host[pad, col["slots"]] = self.cache.scratch_slot
@@ -210,8 +209,10 @@ class DecodeGraphs:
         col = buf.unpacked()
         slots = col["slots"][:, 0]
         new_valid = col["new_valid"] != 0
-        view = self.cache.view_of(slots, col["past_index"], col["past_valid"] != 0, col["write_index"],
-                                  new_valid, col["lengths"][:, 0])
+        lengths = col["lengths"][:, 0]
+        tables = col["tables"]
+        past_index, past_valid = self.cache.past_from_tables(tables, lengths, tables.shape[1] * buf.block_size)
+        view = self.cache.view_of(slots, past_index, past_valid, col["write_index"], new_valid, lengths)
         source = col["source"]
         ids = torch.where(source >= 0, self.fed_back[source.clamp(min=0)], col["ids"])
         out = self.model(ids, cache=view, use_cache=True, logits_to_keep=1, return_routing=self.record_routing,
@@ -267,7 +268,8 @@ class DecodeGraphs:
         started = time.perf_counter()
         buf.column("slots").fill_(self.cache.scratch_slot)
         buf.column("source").fill_(-1)
-        buf.column("past_valid").fill_(0)
+        buf.column("lengths").fill_(0)  # no valid past key
+        buf.column("tables").fill_(0)
         buf.column("write_index").fill_(self.cache.num_blocks * self.cache.block_size)
         # no garbage collection while capturing: a collection in any thread that frees another graph
         # (an engine dropped before this one) destroys it mid-capture, and the capture fails. (No

@@ -126,7 +126,7 @@ def test_mla_layer_decode_step_uses_the_kernel(monkeypatch):
 def test_a_decode_step_on_a_paged_cache_reads_the_pools_through_the_paged_op(monkeypatch):
     """The model's decode step on a slot cache's view (as the rollout engine runs it: two rows of
     different lengths, their keys in scattered blocks) calls mla_decode_paged once per MLA layer, never
-    the gathering op, and gives the logits the reference attention gives on the same cache."""
+    the gathering op, and gives exactly the logits of the kernel on the keys gathered first."""
     from policy import build_model
     from policy.layers import mla
     from policy.slot_cache import SlotCache
@@ -153,14 +153,15 @@ def test_a_decode_step_on_a_paged_cache_reads_the_pools_through_the_paged_op(mon
     monkeypatch.setattr(mla, "mla_decode", lambda *a: calls.__setitem__("gathered", calls["gathered"] + 1)
                         or real_gathered(*a))
     with torch.no_grad():
-        fast = decode_logits()
+        paged = decode_logits()
         assert calls == {"paged": n_mla, "gathered": 0}
-        before = mla.set_decode_kernel(False)
+        before = mla.set_paged_keys(False)
         try:
-            slow = decode_logits()
+            gathered = decode_logits()
         finally:
-            mla.set_decode_kernel(before)
-    _close(fast, slow)
+            mla.set_paged_keys(before)
+    assert calls == {"paged": n_mla, "gathered": n_mla}
+    assert torch.equal(paged, gathered)
 
 
 @pytest.mark.skipif(kernel.mla_decode_supported(_probe, _probe, _probe), reason="the kernel tests run in this process")

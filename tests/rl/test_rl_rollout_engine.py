@@ -222,7 +222,8 @@ def test_a_failed_graph_capture_leaves_its_shape_eager(model, monkeypatch, prefi
     def capture(buf, warm):
         if failing == "every capture" or graphs.capture_failures == 0:
             buf.column("slots").fill_(e.cache.scratch_slot)
-            buf.column("past_valid").fill_(0)
+            buf.column("lengths").fill_(0)
+            buf.column("tables").fill_(0)
             buf.column("write_index").fill_(e.cache.num_blocks * e.cache.block_size)
             raise RuntimeError("\nCUDA error: operation not permitted when stream is capturing\nCompile with ...")
         return CapturedOnCPU(next(shape for shape, b in graphs._buffers.items() if b is buf))
@@ -292,6 +293,34 @@ def test_slot_reuse_never_leaks_state(model):
     fresh = asyncio.run(play(engine(model, max_slots=1, cache_tokens=256, block_size=8), {"b": (prompt_b, [0])},
                              greedy=True))
     assert tokens_of(reused) == tokens_of(fresh)
+
+
+def test_key_indices_from_block_tables_equal_the_host_built_ones(model):
+    """What a fixed-shape step computes on the device from the block tables (past_from_tables) is
+    the host's past_index / past_valid (indices) wherever a key is valid, and the same mask: slots of
+    different lengths, one forked (shared blocks), one freed and taken again, padded key width."""
+    cache = SlotCache(model, max_slots=4, num_blocks=64, block_size=4)
+    a, b = cache.alloc(), cache.alloc()
+    cache.reserve(a, 23)
+    cache.advance([a], [23])
+    cache.fork(a, b)
+    cache.reserve(b, 30)
+    cache.advance([b], [7])
+    c = cache.alloc()
+    cache.reserve(c, 9)
+    cache.advance([c], [9])
+    cache.free(c)
+    c = cache.alloc()
+    cache.reserve(c, 5)
+    cache.advance([c], [5])
+    slots, keys = [b, c, a], 64
+    past_index, past_valid, _, _ = cache.indices(slots, [1, 1, 1], 1, keys)
+    tables = torch.from_numpy(cache.block_tables(slots, keys // cache.block_size))
+    lengths = torch.tensor([cache.lengths[s] for s in slots])
+    index, valid = cache.past_from_tables(tables, lengths, keys)
+    assert torch.equal(valid, torch.from_numpy(past_valid)) and int(valid.sum()) == 30 + 5 + 23
+    assert torch.equal(index[valid], torch.from_numpy(past_index)[valid])
+    assert int(index.max()) < cache.num_blocks * cache.block_size
 
 
 def test_preemption_when_the_cache_runs_out_gives_the_same_tokens(model):
