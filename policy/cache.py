@@ -149,24 +149,33 @@ class PagedMLAKeys:
     def __init__(self, pool_latent: Tensor, pool_rope: Tensor, past_index: Tensor, new_index: Tensor,
                  new_latent: Tensor, new_rope: Tensor, valid: Tensor, index_k: Tensor | None) -> None:
         self.pool_latent, self.pool_rope = pool_latent, pool_rope  # [N, kv_lora_rank], [N, qk_rope_head_dim]
-        self.index = torch.cat([past_index, new_index], 1)  # [B, S]
-        self._past_index, self._new_latent, self._new_rope = past_index, new_latent, new_rope
+        self._past_index, self._new_index = past_index, new_index  # [B, P], [B, T]
+        self._new_latent, self._new_rope = new_latent, new_rope
         self.valid = valid  # [B, S] bool
         self.index_k = index_k  # [B, S, index_head_dim] (DSA), gathered
+        # made on first use (not functools.cached_property: torch.compile breaks its graph on it)
+        self._index: Tensor | None = None
         self._latent: Tensor | None = None
         self._k_rope: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
-        return self.index.shape[0]
+        return self._past_index.shape[0]
 
     @property
     def seq_len(self) -> int:
-        return self.index.shape[1]
+        return self._past_index.shape[1] + self._new_index.shape[1]
+
+    @property
+    def index(self) -> Tensor:
+        """[B, S]: each key's row in the pools."""
+        if self._index is None:
+            self._index = torch.cat([self._past_index, self._new_index], 1)
+        return self._index
 
     @property
     def latent(self) -> Tensor:
-        if self._latent is None:  # (not functools.cached_property: torch.compile breaks its graph on it)
+        if self._latent is None:
             past = self.pool_latent[self._past_index].to(self._new_latent.dtype)
             self._latent = torch.cat([past, self._new_latent], 1)
         return self._latent
@@ -179,7 +188,7 @@ class PagedMLAKeys:
         return self._k_rope
 
 
-LayerCache = KDACache | SlotKDAView | MLACache
+LayerCache = KDACache | SlotKDAView | MLACache | PagedMLAKeys
 
 
 class ModelCache:
