@@ -49,12 +49,11 @@ def graph_ms(fn, replays: int = 20) -> float:
 
 def one_context(rows: int, context: int, bandwidth: float) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    blocks = rows * -(-context // BLOCK) + 1
+    blocks = rows * -(-context // BLOCK)
     dtype = torch.bfloat16
     pool_latent = torch.randn(blocks * BLOCK, LATENT, device="cuda", dtype=dtype, generator=gen)
     pool_rope = torch.randn(blocks * BLOCK, ROPE, device="cuda", dtype=dtype, generator=gen)
-    order = torch.randperm(blocks - 1, device="cuda", generator=gen)[:rows * -(-context // BLOCK)]
-    tables = order.view(rows, -1)  # each row's blocks, scattered over the pool
+    tables = torch.randperm(blocks, device="cuda", generator=gen).view(rows, -1)  # rows' blocks, scattered
     pos = torch.arange(context, device="cuda")
     index = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK  # [rows, context]: the past keys, then the new one
     past_index, new_index = index[:, :-1].contiguous(), index[:, -1:].contiguous()

@@ -176,16 +176,17 @@ class PagedMLAKeys:
     @property
     def latent(self) -> Tensor:
         if self._latent is None:
-            past = self.pool_latent[self._past_index].to(self._new_latent.dtype)
-            self._latent = torch.cat([past, self._new_latent], 1)
+            self._latent = self._past_then_new(self.pool_latent, self._new_latent)
         return self._latent
 
     @property
     def k_rope(self) -> Tensor:
         if self._k_rope is None:
-            past = self.pool_rope[self._past_index].to(self._new_rope.dtype)
-            self._k_rope = torch.cat([past, self._new_rope], 1)
+            self._k_rope = self._past_then_new(self.pool_rope, self._new_rope)
         return self._k_rope
+
+    def _past_then_new(self, pool: Tensor, new: Tensor) -> Tensor:
+        return torch.cat([pool[self._past_index].to(new.dtype), new], 1)
 
 
 LayerCache = KDACache | SlotKDAView | MLACache | PagedMLAKeys

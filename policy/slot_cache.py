@@ -280,13 +280,16 @@ class SlotCache:
         pos = np.arange(P)
         past_valid = pos[None] < lens[:, None]  # [B, P]
         past_index = tables[:, np.minimum(pos // bs, last)] * bs + pos % bs  # rows' keys at the front
-        return (past_index, past_valid) + self.new_indices(slots, n_new, width)
+        return (past_index, past_valid) + self._new_indices(lens, tables, n_new, width)
 
     def new_indices(self, slots: list[int], n_new: list[int], width: int) -> tuple[np.ndarray, np.ndarray]:
         """`indices`' write_index / new_valid alone (on the host): [B, width] each."""
         lens = np.array([self.lengths[s] for s in slots], dtype=np.int64)
+        return self._new_indices(lens, self._table_np[slots], n_new, width)
+
+    def _new_indices(self, lens: np.ndarray, tables: np.ndarray, n_new: list[int], width: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
         bs = self.block_size
-        tables = self._table_np[slots]
         last = tables.shape[1] - 1
         new_pos = lens[:, None] + np.arange(width)[None]  # [B, width]
         real = np.arange(width)[None] < np.array(n_new)[:, None]
@@ -302,11 +305,12 @@ class SlotCache:
             tables = np.pad(tables, ((0, 0), (0, n_blocks - tables.shape[1])))
         return tables
 
-    def past_from_tables(self, tables: Tensor, lengths: Tensor, keys: int) -> tuple[Tensor, Tensor]:
-        """`indices`' past_index / past_valid [B, keys], computed where `tables` [B, >= keys / block]
-        (block_tables) and `lengths` [B] are: a step's inputs on a GPU are then the tables, a
-        block_size-th of the keys, instead of two [B, keys] arrays built on the host every step."""
-        pos = torch.arange(keys, device=tables.device)
+    def past_from_tables(self, tables: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """`indices`' past_index / past_valid [B, keys] for keys = the tables' width x block_size,
+        computed where `tables` [B, n_blocks] (block_tables) and `lengths` [B] are: a step's inputs on
+        a GPU are then the tables, a block_size-th of the keys, instead of two [B, keys] arrays built
+        on the host every step."""
+        pos = torch.arange(tables.shape[1] * self.block_size, device=tables.device)
         blocks = tables.index_select(1, pos // self.block_size)  # [B, keys]
         return blocks * self.block_size + pos % self.block_size, pos[None] < lengths[:, None]
 

@@ -210,8 +210,7 @@ class DecodeGraphs:
         slots = col["slots"][:, 0]
         new_valid = col["new_valid"] != 0
         lengths = col["lengths"][:, 0]
-        tables = col["tables"]
-        past_index, past_valid = self.cache.past_from_tables(tables, lengths, tables.shape[1] * buf.block_size)
+        past_index, past_valid = self.cache.past_from_tables(col["tables"], lengths)
         view = self.cache.view_of(slots, past_index, past_valid, col["write_index"], new_valid, lengths)
         source = col["source"]
         ids = torch.where(source >= 0, self.fed_back[source.clamp(min=0)], col["ids"])

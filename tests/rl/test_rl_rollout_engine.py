@@ -322,7 +322,7 @@ def test_key_indices_from_block_tables_equal_the_host_built_ones(model):
     past_index, past_valid, _, _ = cache.indices(slots, [1, 1, 1], 1, keys)
     tables = torch.from_numpy(cache.block_tables(slots, keys // cache.block_size))
     lengths = torch.tensor([cache.lengths[s] for s in slots])
-    index, valid = cache.past_from_tables(tables, lengths, keys)
+    index, valid = cache.past_from_tables(tables, lengths)
     assert torch.equal(valid, torch.from_numpy(past_valid)) and int(valid.sum()) == 30 + 5 + 23
     assert torch.equal(index[valid], torch.from_numpy(past_index)[valid])
     assert int(index.max()) < cache.num_blocks * cache.block_size
