@@ -5,6 +5,10 @@ five); at the policy's sizes a training step is dominated by launching and strea
 `fused_on_cuda(fn)` keeps `fn` as the CPU path and the oracle and, for CUDA inputs, calls a
 `torch.compile`d copy of the same function (one generated kernel per chain, compiled once per
 input rank, dynamic sizes). `set_fusion(False)` or KIMI_FUSED_OPS=0 turns it off.
+
+Inductor's kernels assume a tensor that was 16-byte aligned when compiled stays aligned; it checks
+ordinary inputs at each call but not parameters (static inputs), and a parameter that is a view into
+a flat buffer (DeepSpeed's bf16 groups) may start anywhere: such arguments are passed as aligned copies.
 """
 from __future__ import annotations
 
@@ -14,10 +18,19 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-__all__ = ["fused_on_cuda", "set_fusion"]
+__all__ = ["aligned", "fused_on_cuda", "set_fusion"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _enabled = os.environ.get("KIMI_FUSED_OPS", "1") != "0"
+_ALIGNMENT = 16  # bytes: what inductor's generated kernels assume of their inputs' start
+
+
+def aligned(value: Any) -> Any:
+    """`value`, or an aligned copy of it where it is a tensor starting off a 16-byte boundary
+    (gradients flow through the copy)."""
+    if isinstance(value, torch.Tensor) and value.data_ptr() % _ALIGNMENT:
+        return value.clone()
+    return value
 
 
 def set_fusion(enabled: bool) -> bool:
@@ -39,6 +52,6 @@ def fused_on_cuda(fn: F) -> F:
         if compiled is None:
             # not fullgraph: past the recompile limit Dynamo then runs fn eagerly instead of raising
             compiled = torch.compile(fn, dynamic=True)
-        return compiled(*args, **kwargs)
+        return compiled(*map(aligned, args), **{name: aligned(v) for name, v in kwargs.items()})
 
     return dispatch  # type: ignore[return-value]

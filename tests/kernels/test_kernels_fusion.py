@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimi_kernels.fusion import fused_on_cuda, set_fusion
+from kimi_kernels.fusion import aligned, fused_on_cuda, set_fusion
 from kimi_kernels.kda import kda_gate
 from kimi_kernels.ops import _causal_depthwise, gated_rms_norm, l2norm, masked_logit_max, rms_norm, situ_glu, topk_mask
 from policy.layers.attnres import _mix as attn_res_mix
@@ -53,5 +53,33 @@ def test_dispatch_keeps_cpu_on_the_reference_and_can_be_switched_off():
     prev = set_fusion(False)
     try:
         assert set_fusion(False) is False
+    finally:
+        set_fusion(prev)
+
+
+def test_a_tensor_off_a_16_byte_boundary_is_passed_as_an_aligned_copy_gradients_flowing_back():
+    flat = torch.zeros(33, requires_grad=True)
+    on, off = flat[:8], flat[1:9]  # float32: 0 and 4 bytes past the buffer's (aligned) start
+    assert aligned(on) is on and aligned(3) == 3
+    copy = aligned(off)
+    assert copy is not off and copy.data_ptr() % 16 == 0 and torch.equal(copy, off)
+    (copy * torch.arange(8.0)).sum().backward()
+    assert torch.equal(flat.grad[1:9], torch.arange(8.0)) and flat.grad[0] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled path runs on CUDA only")
+def test_a_parameter_in_a_flat_buffer_off_alignment_through_the_compiled_op():
+    """A learner under DeepSpeed's bf16 groups: parameters are views into one flat buffer. The op was
+    compiled with an aligned parameter; one starting 2 bytes further on failed with a misaligned address."""
+    prev = set_fusion(True)
+    try:
+        x = torch.randn(4, 7, 512, device="cuda", dtype=torch.bfloat16)
+        flat = torch.randn(1 + 2 * 512, device="cuda", dtype=torch.bfloat16)
+        first, second = torch.nn.Parameter(flat[:512]), torch.nn.Parameter(flat[513:])
+        assert second.data_ptr() % 16 == 2
+        for weight in (first, second):
+            out = rms_norm(x, weight, 1e-6)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, rms_norm.__wrapped__(x, weight, 1e-6))
     finally:
         set_fusion(prev)
