@@ -36,9 +36,10 @@ except ImportError:  # CPU-only installs: the reference path is used (`mla_decod
 __all__ = ["mla_decode", "mla_decode_paged", "mla_decode_supported"]
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
-# query heads per program (Kimi-Linear's 32: each key read once per row), keys per step; these and
-# _TARGET_PROGRAMS measured best on the H200 over 256-128K keys (benchmarks/mla_paged_decode.py)
-BLOCK_H, BLOCK_T = 32, 64
+# query heads per program (Kimi-Linear's 32: each key read once per row), keys per step, warps and
+# pipeline stages per program; these and _TARGET_PROGRAMS measured best on the H200 over 256-128K keys
+# (benchmarks/mla_paged_decode.py, whose --launch tries others)
+BLOCK_H, BLOCK_T, NUM_WARPS, NUM_STAGES = 32, 64, 8, 2
 _MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merging than it saves
 _TARGET_PROGRAMS = 528  # about four programs per multiprocessor of an H100 / H200 (132)
 
@@ -140,7 +141,8 @@ def _attend(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, index: to
     splits = splits_for(B, H, S)
     per_split = -(-S // splits)
     grid = (B, triton.cdiv(H, BLOCK_H), splits)
-    common = dict(DV=DV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, PAGED=paged, num_warps=8, num_stages=2)
+    common = dict(DV=DV, DR=DR, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, PAGED=paged, num_warps=NUM_WARPS,
+                  num_stages=NUM_STAGES)
     batch_strides = (0, latent.stride(0), 0, rope.stride(0)) if paged else latent.stride()[:2] + rope.stride()[:2]
     strides = (q.stride(0), q.stride(1), *batch_strides, index.stride(0) if paged else 0, valid.stride(0))
     idx = index if paged else valid  # any pointer where there is no index: the kernel never reads it

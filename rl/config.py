@@ -188,6 +188,11 @@ class RolloutConfig(Section):
     # compiled step is what the CUDA graphs capture (its fused kernels: 1.10-1.25x at the Kimi-Linear
     # shape), at ~25-35 s of compiling per engine
     compile_decode: bool = False
+    # native engine on a GPU: the fp32 elementwise chains (norms, gates, SiTU-GLU, AttnRes) as compiled
+    # kernels (kimi_kernels/fusion.py). On an H200 they cut the engines' GPU time a step 1.6x in
+    # configs/gpu_small.yaml's pipeline and cost ~35 s of compiling per run; KIMI_FUSED_OPS=0 turns
+    # them off in every process
+    fused_ops: bool = True
     sync_bucket_mb: int = Field(default=256, ge=1)  # weight pushes to the native engine go in buckets of this size
     # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
     # classes on the policy's Hugging Face checkpoint; transformers: `generate`, the slow baseline
@@ -273,6 +278,11 @@ class TrainConfig(Section):
     updates_per_step: int = Field(default=1, ge=1)  # optimizer steps per batch (mini-batches of whole groups)
     # recompute each decoder layer's activations in backward instead of storing them (less memory, ~1 more forward)
     activation_checkpointing: bool = False
+    # the learner on a GPU: the fused elementwise chains (rollout.fused_ops). Each compiles on its first
+    # calls, forward and backward, once per input rank and gradient mode: 77-164 s for `small` on an
+    # H200, for 1.0-1.2x on steps of 64 short rows (benchmarks/learner_compile_gpu.py): they pay in long
+    # runs and long rows, not in a ten-minute one
+    fused_ops: bool = True
     # ranks that split each MoE layer's routed experts among them (1: every rank holds all); divides
     # resources.ranks and the model's expert count; needs zero_stage 1 or 2
     expert_parallel: int = Field(default=1, ge=1)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kimi_kernels.fusion import set_fusion
 from policy.dtypes import device_precision, params_to
 from rl.config import TrainConfig
 from rl.grpo import (LossConfig, TrainBatch, accumulate_policy_gradient, collate, compute_advantages, global_sum,
@@ -50,6 +51,8 @@ class Learner:
     def __init__(self, model_spec: dict[str, Any], train_cfg: TrainConfig, loss_cfg: LossConfig,
                  temperature: float, pad_id: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
         torch.set_num_threads(train_cfg.threads)
+        if not train_cfg.fused_ops:
+            set_fusion(False)  # this process's compiled elementwise chains (KIMI_FUSED_OPS=0 turns off all)
         self.model_spec = model_spec
         self.cfg = train_cfg
         self.loss_cfg = loss_cfg
@@ -206,6 +209,7 @@ class Learner:
     def sft_step(self, examples: list[dict[str, list[int]]], lr: float) -> dict[str, float]:
         """One cross-entropy step on reference episodes (the policy's own tokens only); every rank
         gets the whole batch and trains on its share."""
+        started = time.perf_counter()
         self._set_lr(lr)
         self.engine.train()
         ids, mask, real = sft_batch(examples, self.pad_id)
@@ -225,7 +229,9 @@ class Learner:
             done += 1
         grad_norm = self._complete_accumulation(done)
         self._set_lr(self.cfg.lr)
-        return {"sft/loss": global_sum(loss_total), "sft/grad_norm": grad_norm, "sft/tokens": total_tokens}
+        # the step is done once the loss and norm are on the host: their reads wait for the device
+        return {"sft/loss": global_sum(loss_total), "sft/grad_norm": grad_norm, "sft/tokens": total_tokens,
+                "sft/step_s": time.perf_counter() - started}
 
     # -- GRPO ------------------------------------------------------------------------------------
     def train_step(self, batch: RolloutBatch) -> dict[str, Any]:

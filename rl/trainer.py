@@ -118,8 +118,7 @@ class Trainer:
                 batch = rng.sample(examples, min(w.batch_size, len(examples)))
                 metrics = self.actors.learner.sft_step(batch, w.lr)
                 progress.advance(f"loss {metrics['sft/loss']:.3f}")
-                if i == w.steps - 1 or i % 10 == 0:
-                    logger.log(-w.steps + i, metrics)
+                logger.log(-w.steps + i, metrics)
 
     def _evaluate(self, tag: str) -> dict[str, Any]:
         e = self.cfg.eval

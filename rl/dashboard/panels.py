@@ -241,6 +241,8 @@ def learner_panel(runs: list[RunData]) -> Panel:
                     [("groups filtered", "train/groups_filtered"), ("step skipped", "train/skipped")]),
         lines_chart("learner.warmup", "Supervised warm-up", "loss", runs, [("loss", "sft/loss")],
                     table=lambda run: run.warmup, x_label="warm-up step"),
+        lines_chart("learner.warmup_time", "Supervised warm-up step time (the first ones compile)", "seconds", runs,
+                    [("step", "sft/step_s")], table=lambda run: run.warmup, x_label="warm-up step"),
     ]
     return Panel("learner", "Learner", charts)
 

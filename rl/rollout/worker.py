@@ -42,12 +42,15 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
     if cfg.engine == "native":
         from policy import build_policy, load_policy
 
+        from kimi_kernels.fusion import set_fusion
         from rl.placement import actor_device, actor_gpu_share
         from rl.rollout.cache_budget import engine_cache_tokens
         from rl.rollout.native_engine import NativeEngine
 
         from policy.dtypes import device_precision, params_to
 
+        if not cfg.fused_ops:
+            set_fusion(False)  # this process's compiled elementwise chains (KIMI_FUSED_OPS=0 turns off all)
         device = actor_device()  # the engine runs where its model is, in the learner's precision there
         model = params_to((load_policy(saved) if saved else build_policy(model_spec)).to(device),
                           device_precision(device))

@@ -41,6 +41,7 @@ def tiny_config(tmp_path: Path, model_dir: Path, engine: str) -> Path:
 def check_run(run_dir: Path, engine: str) -> None:
     warmup = [m for m in read_metrics(run_dir) if m["step"] < 0]
     assert warmup and warmup[0]["sft/loss"] > 0  # the learner stepped the transformers model
+    assert len(warmup) == 1 and warmup[0]["sft/step_s"] > 0  # every warm-up step logged, with its time
     metrics = [m for m in read_metrics(run_dir) if m["step"] >= 0]
     assert [m["step"] for m in metrics] == [0, 1] and all(m["train/groups"] == 2 for m in metrics)
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
