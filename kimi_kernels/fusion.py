@@ -6,6 +6,10 @@ five); at the policy's sizes a training step is dominated by launching and strea
 `torch.compile`d copy of the same function (one generated kernel per chain, compiled once per
 input rank, dynamic sizes). `set_fusion(False)` or KIMI_FUSED_OPS=0 turns it off.
 
+A fused op compiles one entry per input rank, dtype and gradient mode (AttnRes's mix also one per
+number of sources): `small`'s learner fills eight, dynamo's default limit per function, past which
+further variants would run eagerly without a word; the limit is raised for them.
+
 Inductor's kernels assume a tensor that was 16-byte aligned when compiled stays aligned; it checks
 ordinary inputs at each call but not parameters (static inputs), and a parameter that is a view into
 a flat buffer (DeepSpeed's bf16 groups) may start anywhere: such arguments are passed as aligned copies.
@@ -23,6 +27,9 @@ __all__ = ["aligned", "fused_on_cuda", "set_fusion"]
 F = TypeVar("F", bound=Callable[..., Any])
 _enabled = os.environ.get("KIMI_FUSED_OPS", "1") != "0"
 _ALIGNMENT = 16  # bytes: what inductor's generated kernels assume of their inputs' start
+_VARIANTS_LIMIT = 64  # compiled entries per fused op (K3's 93 layers give AttnRes ~10 source counts, x2 grad modes)
+_DEVICE_TYPES = ("cuda",)  # where the compiled copies run (elsewhere the reference; tests add "cpu")
+_BACKEND = "inductor"  # tests trace with "eager": dynamo's caching without code generation
 
 
 def aligned(value: Any) -> Any:
@@ -47,11 +54,13 @@ def fused_on_cuda(fn: F) -> F:
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
         x = args[0]  # every fused op takes its main tensor first
-        if not (_enabled and x.is_cuda) or torch.compiler.is_compiling():
+        if not (_enabled and x.device.type in _DEVICE_TYPES) or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if compiled is None:
+            dynamo_config = torch._dynamo.config
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _VARIANTS_LIMIT)
             # not fullgraph: past the recompile limit Dynamo then runs fn eagerly instead of raising
-            compiled = torch.compile(fn, dynamic=True)
+            compiled = torch.compile(fn, dynamic=True, backend=_BACKEND)
         return compiled(*map(aligned, args), **{name: aligned(v) for name, v in kwargs.items()})
 
     return dispatch  # type: ignore[return-value]
