@@ -189,7 +189,7 @@ class RolloutConfig(Section):
     # shape), at ~25-35 s of compiling per engine
     compile_decode: bool = False
     # native engine on a GPU: the fp32 elementwise chains (norms, gates, SiTU-GLU, AttnRes) as compiled
-    # kernels (kimi_kernels/fusion.py). On an H200 they cut the engines' GPU time a step 1.6x in
+    # kernels (kimi_kernels/fusion.py). On an H200 they cut the engines' GPU time a step 1.45-1.6x in
     # configs/gpu_small.yaml's pipeline and cost ~35 s of compiling per run; KIMI_FUSED_OPS=0 turns
     # them off in every process
     fused_ops: bool = True
