@@ -93,22 +93,23 @@ def test_a_fused_op_stays_compiled_past_dynamos_default_limit(monkeypatch):
 
     monkeypatch.setattr(fusion, "_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(fusion, "_BACKEND", "eager")  # dynamo's caching, no code generation: quick
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     mix = fused_on_cuda(attn_res_mix.__wrapped__)  # a copy of the fused op: the module's keeps its backend
     torch._dynamo.reset()
     prev = set_fusion(True)
     try:
-        g = torch.Generator().manual_seed(0)
-        kw = dict(norm_weight=torch.randn(16, generator=g), query=torch.randn(1, 16, generator=g, requires_grad=True),
-                  eps=1e-6)
-        before = counters["stats"]["unique_graphs"]
-        for grad in (True, False):
-            with torch.set_grad_enabled(grad):
-                for n in range(1, 11):
-                    sources = [torch.randn(2, 3, 16, generator=g) for _ in range(n)]
-                    torch.testing.assert_close(mix(*sources, **kw), attn_res_mix.__wrapped__(*sources, **kw))
-        # each variant compiled (a shape may add a recompile); past the limit they would stop at ~10
-        assert counters["stats"]["unique_graphs"] - before >= 20
+        # config.patch, not monkeypatch: undoing a monkeypatch deletes the setting from dynamo's config module
+        with torch._dynamo.config.patch(recompile_limit=8):
+            g = torch.Generator().manual_seed(0)
+            query = torch.randn(1, 16, generator=g, requires_grad=True)
+            kw = dict(norm_weight=torch.randn(16, generator=g), query=query, eps=1e-6)
+            before = counters["stats"]["unique_graphs"]
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad):
+                    for n in range(1, 11):
+                        sources = [torch.randn(2, 3, 16, generator=g) for _ in range(n)]
+                        torch.testing.assert_close(mix(*sources, **kw), attn_res_mix.__wrapped__(*sources, **kw))
+            # each variant compiled (a shape may add a recompile); past the limit they would stop at ~10
+            assert counters["stats"]["unique_graphs"] - before >= 20
     finally:
         set_fusion(prev)
         torch._dynamo.reset()

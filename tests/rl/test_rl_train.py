@@ -212,7 +212,7 @@ def comparable_metrics(run_dir: Path) -> list[dict]:
     """Metrics without the ones that measure time or sample live resources (they differ between two runs
     of anything: how many sandboxes are open at the moment of logging, or how many sequences share
     an engine step, depends on the clock)."""
-    timed = ("time/", "throughput/", "engine/", "rollout/tokens_per_s", "env/sandbox_live",
+    timed = ("time/", "throughput/", "engine/", "rollout/tokens_per_s", "env/sandbox_live", "sft/step_s",
              "train/model_tflops_per_s", "train/mfu")
     return [{k: v for k, v in m.items() if not k.startswith(timed)} for m in read_metrics(run_dir)]
 
