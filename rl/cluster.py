@@ -125,7 +125,8 @@ def start_env_side(cfg: RunConfig, run_id: str) -> list:
     return [
         ray.remote(EnvWorker).options(num_cpus=ENV_WORKER_CPUS, name=env_worker_name(run_id, i), max_restarts=2,
                                       max_concurrency=64)
-        .remote(env_specs, grading, run_id, cfg.sandbox_backend, cfg.rollout.group_size)
+        .remote(env_specs, grading, run_id, cfg.sandbox_backend, cfg.rollout.warm_sandboxes_per_env_worker(),
+                cfg.rollout.max_sandboxes)
         for i in range(cfg.rollout.env_workers)
     ]
 

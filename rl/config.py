@@ -154,6 +154,13 @@ class RolloutConfig(Section):
     drop_uniform_groups: bool = True  # groups whose rewards all agree carry no signal: drop, draw more
     max_draws_per_step: float = Field(default=4.0, ge=1.0)  # x groups_per_step: cap on drawing replacements
     groups_per_worker: int = Field(default=8, ge=1)  # groups one worker plays at once (continuous batching)
+    # each environment worker's sandboxes: started ahead of demand, so that an episode never waits for
+    # one (a group opens all its members' at once, and a cold start takes ~60 ms on an idle CPU, more
+    # beside busy engines: the demo's shell episodes waited 5-8 s each to start with 8 warm); None: as
+    # many as the rollout plays at once (num_workers x groups_per_worker x group_size over env_workers),
+    # at most max_sandboxes, the live sandboxes an environment worker may hold
+    warm_sandboxes: int | None = Field(default=None, ge=0)
+    max_sandboxes: int = Field(default=64, ge=1)
     # the native engine's memory: sequences in cache slots (each with its KDA state), latent keys in
     # blocks of the cache shared by all slots. Size the keys by tokens (cache_tokens) or by memory
     # (cache_gib: the slots' state first, then as many blocks as fit; it must hold one max_context
@@ -220,6 +227,23 @@ class RolloutConfig(Section):
             raise ValueError(f"rollout.gpu_memory_fraction ({self.gpu_memory_fraction}) sizes the cache when "
                              f"neither cache_tokens nor cache_gib is given: give one of the three")
         return self
+
+    @model_validator(mode="after")
+    def _sandboxes_hold_a_group(self) -> "RolloutConfig":
+        if self.max_sandboxes < self.group_size:
+            raise ValueError(f"rollout.max_sandboxes={self.max_sandboxes} cannot hold one group's "
+                             f"{self.group_size} sandboxes (rollout.group_size)")
+        if self.warm_sandboxes is not None and self.warm_sandboxes > self.max_sandboxes:
+            raise ValueError(f"rollout.warm_sandboxes={self.warm_sandboxes} is over rollout.max_sandboxes="
+                             f"{self.max_sandboxes}")
+        return self
+
+    def warm_sandboxes_per_env_worker(self) -> int:
+        """warm_sandboxes, or by default room for every episode the rollout plays at once."""
+        if self.warm_sandboxes is not None:
+            return self.warm_sandboxes
+        at_once = self.num_workers * self.groups_per_worker * self.group_size
+        return min(self.max_sandboxes, -(-at_once // self.env_workers))
 
     @model_validator(mode="after")
     def _slots_hold_the_groups(self) -> "RolloutConfig":

@@ -57,8 +57,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str, float]:
-    """Reward, pass rate and length overall, per domain and per effort level (each episode once,
-    its length over all its segments); weight staleness."""
+    """Reward, pass rate, length and wall time by phase overall, per domain and per effort level (each
+    episode once, its length over all its segments); weight staleness."""
     samples = list(samples)
     out: dict[str, float] = {}
     buckets: dict[str, list[tuple[Sample, int]]] = defaultdict(list)
@@ -72,6 +72,8 @@ def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str
         out[f"{prefix}/reward"] = sum(s.reward for s, _ in group) / n
         out[f"{prefix}/pass_rate"] = sum(s.passed for s, _ in group) / n
         out[f"{prefix}/response_tokens"] = sum(length for _, length in group) / n
+        for phase in sorted({p for s, _ in group for p in s.phase_s}):  # where an episode's time went
+            out[f"{prefix}/episode_s/{phase}"] = sum(s.phase_s.get(phase, 0.0) for s, _ in group) / n
     out["rollout/samples"] = float(len(samples))
     out["rollout/episodes"] = float(len(buckets["all"]))
     out["rollout/truncated"] = sum(s.truncated for s in samples) / max(len(samples), 1)

@@ -24,7 +24,7 @@ from rl.rollout.layout import episode_texts, reference_example
 from rl.rollout.scheduler import item_from_dict
 from rl.run_folder import (CHECKPOINTS, append_jsonl, latest_checkpoint, new_run_dir, read_json,
                            rewind_step_logs)
-from rl.types import env_worker_index
+from rl.types import EPISODE_PHASES, env_worker_index
 from rl.weight_sync import SyncSpec
 
 
@@ -227,6 +227,7 @@ class Trainer:
         self.phase(f"GRPO: steps {start_step}..{cfg.train.steps - 1}, {cfg.rollout.groups_per_step} groups of "
                    f"{cfg.rollout.group_size} a step, max_staleness {cfg.rollout.max_staleness}")
         pace = _EnginePace(actors.rollout_workers, self.say)
+        episode_time = _EpisodeTime()
         health = _EnvHealth(actors.env_workers)
         hacks = HackMonitor()  # its history starts again on resume: a flag needs 2 windows of this process
         release = releases_rollout_caches(cfg)
@@ -260,6 +261,7 @@ class Trainer:
                 for line in hack_warnings:
                     self.say(line)
                 logger.log(step, metrics)
+                episode_time.observe(metrics)
                 append_jsonl(self.run_dir / "rollouts.jsonl", report.records)
                 if trained["moe_load"]:
                     layers = sorted(trained["moe_load"])
@@ -276,8 +278,9 @@ class Trainer:
                                  f"mismatch {metrics.get('train/mismatch', 0.0):.4f}  "
                                  f"{metrics['throughput/samples_per_s']:.1f} samples/s")
         ray.get(actors.scheduler.stop_training.remote())
-        if (line := pace.summary()) is not None:
-            self.phase(line)
+        for line in (pace.summary(), episode_time.summary()):
+            if line is not None:
+                self.phase(line)
 
     def _say_problems(self, step: int, report, metrics: dict[str, float]) -> None:
         """Failed groups and ungraded samples are said on the console, not only logged."""
@@ -340,6 +343,28 @@ class _EnvHealth:
 # the native engine's running totals (EngineStats.extra) the pace reads: host time launching steps,
 # host time waiting on the device for their results, time capturing CUDA graphs
 _PACE_EXTRAS = ("launch_s", "wait_s", "graph_capture_s")
+PHASE_WORDS = {"start": "starting", "generate": "generating", "tools": "in tools", "grade": "grading"}
+
+
+class _EpisodeTime:
+    """Where the run's episodes spent their wall time, from each step's per-episode means."""
+
+    def __init__(self) -> None:
+        self.episodes = 0.0
+        self.seconds = dict.fromkeys(EPISODE_PHASES, 0.0)
+
+    def observe(self, metrics: dict[str, float]) -> None:
+        n = metrics.get("rollout/episodes", 0.0)
+        self.episodes += n
+        for phase in EPISODE_PHASES:
+            self.seconds[phase] += n * metrics.get(f"rollout/episode_s/{phase}", 0.0)
+
+    def summary(self) -> str | None:
+        if not self.episodes:
+            return None
+        mean = {phase: s / self.episodes for phase, s in self.seconds.items()}
+        parts = ", ".join(f"{PHASE_WORDS[p]} {mean[p]:.2f}" for p in EPISODE_PHASES)
+        return f"episodes: {sum(mean.values()):.2f} s each on average ({parts})"
 
 
 class _EnginePace:

@@ -32,6 +32,12 @@ class WorkItem:
         return self.uid if self.attempt == 0 else f"{self.uid}#{self.attempt}"
 
 
+# Where an episode's wall time goes: "start" (environment reset, sandboxes, prompt prefill: its
+# group's), "generate" (in the engine, queueing included), "tools" (environment steps), "grade"
+# (closing the episode and grading it)
+EPISODE_PHASES = ("start", "generate", "tools", "grade")
+
+
 @dataclass
 class Sample:
     """One finished episode, token-in/token-out: `tokens` is exactly what the model saw and produced."""
@@ -57,6 +63,8 @@ class Sample:
     transcript: list[dict[str, str]] = field(default_factory=list)  # messages: system, user, assistant, tool
     engine: str = ""  # which rollout engine produced it
     segment: int = 0  # an episode rebuilt by the context policy trains as several segments
+    # the episode's wall time by EPISODE_PHASES (seconds; every segment carries the whole episode's)
+    phase_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def episode(self) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rl.dashboard.model import MetricTable, RunData
+from rl.types import EPISODE_PHASES
 
 PARETO_WINDOW = 10  # GRPO steps averaged for the rollout points of the effort Pareto chart
 MARKERS_UP_TO = 40  # a series this short gets point markers too (one point alone draws no line)
@@ -201,6 +202,10 @@ def throughput_panel(runs: list[RunData]) -> Panel:
         lines_chart("throughput.engine_step", "Rollout engine: time per forward step", "milliseconds", runs,
                     [("whole step", "engine/step_ms"), ("launching it (host)", "engine/launch_ms"),
                      ("waiting on the device", "engine/wait_ms")]),
+        # an episode long in "tools" or "grade" waits on its environment; in "generate", on the engine
+        lines_chart("throughput.episode_phases", "Episode wall time by phase (mean per episode)", "seconds", runs,
+                    [(phase, f"rollout/episode_s/{phase}") for phase in EPISODE_PHASES],
+                    stacked=True),
     ]
     return Panel("throughput", "Throughput", charts)
 

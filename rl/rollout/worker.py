@@ -7,8 +7,10 @@ engine decodes the others. Every sample records the weight version of each token
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from typing import Any
+import time
+from typing import Any, Iterator
 
 import numpy as np
 import ray
@@ -19,7 +21,7 @@ from rl.rollout.context import ELIDED, Turn, elide_tool_outputs
 from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams, SequenceRecord, TurnOutput
 from rl.rollout.env_worker import EpisodeEnd, EpisodeStart, StepReply
 from rl.rollout.layout import stop_token_ids
-from rl.types import Sample, WorkItem, env_worker_index
+from rl.types import EPISODE_PHASES, Sample, WorkItem, env_worker_index
 from rl.weight_sync import SyncSpec, SyncTicket, WeightSink
 
 
@@ -153,6 +155,7 @@ class RolloutWorker:
         env_worker = self._env_worker(item)
         ids = [f"{item.episode_prefix}/{i}" for i in range(item.group_size)]
         opened = list(ids)  # engine sequences to close if the group is abandoned (segments join)
+        started = time.monotonic()
         start: EpisodeStart = await env_worker.reset_group.remote(item, ids)
         try:
             prompt = self.tokenizer.apply_chat_template(start.messages, effort=item.effort, add_generation_prompt=True)
@@ -160,7 +163,8 @@ class RolloutWorker:
                 raise ValueError(f"prompt of task {item.task_id!r} in {item.env!r} is {len(prompt)} tokens, "
                                  f"over rollout.max_context={self.max_context}")
             await self.engine.start_group(ids, prompt)
-            episodes = await asyncio.gather(*[self._episode(item, i, sid, prompt, start, env_worker, opened)
+            start_s = time.monotonic() - started
+            episodes = await asyncio.gather(*[self._episode(item, i, sid, prompt, start, env_worker, opened, start_s)
                                               for i, sid in enumerate(ids)])
             return [sample for segments in episodes for sample in segments]
         except BaseException:  # failed or cancelled (aborted by the scheduler): free everything it holds
@@ -173,9 +177,11 @@ class RolloutWorker:
         await env_worker.abort.remote(prefix)
 
     async def _episode(self, item: WorkItem, member: int, sid: str, prompt: list[int], start: EpisodeStart,
-                       env_worker, opened: list[str]) -> list[Sample]:
+                       env_worker, opened: list[str], start_s: float = 0.0) -> list[Sample]:
         """Play one episode; returns its samples: one, or one per segment when the context policy
-        rebuilt its context (each trains on the tokens generated in it)."""
+        rebuilt its context (each trains on the tokens generated in it). start_s: the seconds its
+        group took to start (Sample.phase_s)."""
+        clock = _PhaseClock(start_s)
         seg, seg_id = _Segment(prompt), sid
         history: list[Turn] = []
         segments: list[tuple[_Segment, SequenceRecord]] = []
@@ -185,10 +191,11 @@ class RolloutWorker:
             if (self.context_policy == "elide_tool_outputs" and history
                     and len(seg.tokens) + len(append) + item.max_new_tokens >= self.max_context):
                 rebuilt = elide_tool_outputs(prompt, history, self.elided, self.keep_tool_outputs)
-                segments.append((seg, await self.engine.finish(seg_id)))
-                seg, seg_id = _Segment(rebuilt), f"{sid}@{len(segments)}"
-                opened.append(seg_id)
-                await self.engine.start_group([seg_id], rebuilt)
+                with clock.phase("generate"):  # the rebuilt context's prefill
+                    segments.append((seg, await self.engine.finish(seg_id)))
+                    seg, seg_id = _Segment(rebuilt), f"{sid}@{len(segments)}"
+                    opened.append(seg_id)
+                    await self.engine.start_group([seg_id], rebuilt)
                 append = []
             budget = min(item.max_new_tokens, self.max_context - len(seg.tokens) - len(append) - 1)
             if budget <= 0:
@@ -196,17 +203,20 @@ class RolloutWorker:
                 break
             params = SamplingParams(max_new_tokens=budget, temperature=item.temperature, top_p=item.top_p,
                                     stop_ids=self.stop_ids, seed=member_seed(item.seed, member))
-            out = await self.engine.generate(seg_id, append, params)
+            with clock.phase("generate"):
+                out = await self.engine.generate(seg_id, append, params)
             seg.add(append, out)
             turns += 1
-            reply: StepReply = await env_worker.step.remote(sid, self.tokenizer.decode(out.tokens))
+            with clock.phase("tools"):
+                reply: StepReply = await env_worker.step.remote(sid, self.tokenizer.decode(out.tokens))
             done, truncated = reply.done, reply.truncated
             if not done:
                 append = self.tokenizer.encode_tool_result(reply.observation)
                 history.append(Turn(out.tokens, append))
         truncated = truncated or not done  # out of context or of turns while the episode went on
-        segments.append((seg, await self.engine.finish(seg_id)))
-        end: EpisodeEnd = await env_worker.finish.remote(sid)
+        with clock.phase("grade"):
+            segments.append((seg, await self.engine.finish(seg_id)))
+            end: EpisodeEnd = await env_worker.finish.remote(sid)
         return [Sample(
             uid=f"{item.uid}/{member}" + (f"@{k}" if k else ""), group_uid=item.uid, env=item.env,
             domain=start.domain, task_id=item.task_id, effort=item.effort, tokens=part.tokens,
@@ -214,7 +224,22 @@ class RolloutWorker:
             reward=float(end.grade.reward), passed=bool(end.grade.passed), grade_error=end.grade.error,
             grader_version=end.grade.grader_version, grade_details=end.grade.details, num_turns=turns,
             truncated=truncated, routing=part.routing(record), transcript=end.transcript, engine=self.engine.name,
-            segment=k) for k, (part, record) in enumerate(segments)]
+            segment=k, phase_s=clock.seconds) for k, (part, record) in enumerate(segments)]
+
+
+class _PhaseClock:
+    """One episode's wall time by phase (Sample.phase_s), the group's start counted in each."""
+
+    def __init__(self, start_s: float) -> None:
+        self.seconds = {**dict.fromkeys(EPISODE_PHASES, 0.0), "start": start_s}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.monotonic() - began
 
 
 class _Segment:

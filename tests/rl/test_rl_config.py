@@ -52,6 +52,9 @@ def test_overrides_are_typed(tmp_path):
          "rollout.gpu_memory_fraction (0.5) sizes the cache when neither cache_tokens nor cache_gib is given"),
         (["rollout.gpu_memory_fraction=0.5"], "rollout.gpu_memory_fraction=0.5 sizes a GPU's cache, but the "
                                               "rollout workers run on CPU: give rollout.cache_tokens or cache_gib"),
+        (["rollout.group_size=8", "rollout.max_sandboxes=4"],
+         "rollout.max_sandboxes=4 cannot hold one group's 8 sandboxes (rollout.group_size)"),
+        (["rollout.warm_sandboxes=65"], "rollout.warm_sandboxes=65 is over rollout.max_sandboxes=64"),
         (["rollout.compile_decode=true", "rollout.engine=transformers", "model.hf_path=/m", "rollout.record_routing=false"],
          "rollout.compile_decode is the native engine's; rollout.engine is transformers"),
         (["resources.learner_ranks=3", "train.expert_parallel=2", "train.zero_stage=1"],
@@ -81,6 +84,17 @@ def test_a_cache_budget_is_checked_in_the_precision_the_engine_will_run_in(tmp_p
     with pytest.raises(ConfigError, match="cannot hold"):
         load_config(path, ["rollout.cache_gib=0.01"])
     assert load_config(path, ["rollout.cache_gib=0.01", "resources.rollout_gpus=1"]).rollout.cache_gib == 0.01
+
+
+def test_environment_workers_keep_a_sandbox_warm_for_each_episode_played_at_once(tmp_path):
+    cfg = load_config(write(tmp_path, BASE), ["rollout.num_workers=2", "rollout.groups_per_worker=2",
+                                              "rollout.group_size=4", "rollout.env_workers=3"])
+    assert cfg.rollout.warm_sandboxes_per_env_worker() == 6  # 16 episodes over 3 workers, rounded up
+    cfg = load_config(write(tmp_path, BASE), ["rollout.num_workers=4", "rollout.groups_per_worker=8",
+                                              "rollout.group_size=8"])
+    assert cfg.rollout.warm_sandboxes_per_env_worker() == 64  # capped at max_sandboxes
+    cfg = load_config(write(tmp_path, BASE), ["rollout.warm_sandboxes=0"])
+    assert cfg.rollout.warm_sandboxes_per_env_worker() == 0
 
 
 def test_unknown_top_level_key_and_missing_file(tmp_path):

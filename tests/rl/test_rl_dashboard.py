@@ -157,7 +157,7 @@ def test_dashboard_in_a_browser(browser, dashboard_url, tiny_run, second_run, tm
     with_data = {c["id"] for c in charts if c["hasData"] and c["traces"]}
     assert {"rewards.domain_reward", "rewards.effort_pass", "effort.pareto", "effort.tokens",
             "throughput.time_split", "throughput.engine_batch", "env.grading", "learner.warmup",
-            "learner.warmup_time"} <= with_data
+            "learner.warmup_time", "throughput.episode_phases"} <= with_data
     # Two runs side by side: every chart has a column titled with each run's name.
     for chart in charts:
         assert tiny_run.name in chart["titles"] and second_run.name in chart["titles"], chart

@@ -70,3 +70,31 @@ def test_concurrent_episodes_build_the_task_set_once(ray_session, monkeypatch):
         assert len(builds) == 1, f"the task set was built {len(builds)} times for 32 episodes"
     finally:
         worker.close()
+
+
+def test_a_run_keeps_a_sandbox_warm_for_every_episode_it_plays_at_once(ray_session):
+    """rollout.warm_sandboxes by default: each episode the rollout can hold at once finds a started
+    sandbox (2 workers x 1 group x 2 members = 4), so a group's start never waits for cold starts."""
+    import time
+
+    from rl.cluster import start_env_side
+    from rl.config import validate
+
+    from tests_rl_config import TINY
+
+    cfg = validate({**TINY, "envs": [e for e in TINY["envs"] if e["name"] == "shell"], "rollout": {
+        **TINY["rollout"], "num_workers": 2, "groups_per_worker": 1, "group_size": 2}})
+    [worker] = start_env_side(cfg, "warm-test")
+    try:
+        task = ray_session.get(worker.task_ids.remote("shell", "train"))[0]
+        item = WorkItem("g0", "shell", task, "low", 2, seed=0, max_new_tokens=8, temperature=1.0, top_p=1.0)
+        ray_session.get(worker.reset_group.remote(item, [f"{item.episode_prefix}/{m}" for m in range(2)]))
+        deadline, live = time.monotonic() + 60, 0
+        while time.monotonic() < deadline and live < 6:
+            live = ray_session.get(worker.health_report.remote()).sandboxes_live
+            time.sleep(0.2)
+        assert live == 6, f"{live} live sandboxes: the group's 2 and 4 warm expected"
+        ray_session.get(worker.abort.remote(item.episode_prefix))
+    finally:
+        ray_session.get(worker.close.remote())
+        ray_session.kill(worker)

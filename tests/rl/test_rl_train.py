@@ -60,6 +60,8 @@ def test_short_run_then_resume(tmp_path, ray_session):
     assert "Held-out reward" in output
     assert re.search(r"rollout engines: [\d.]+ ms a step \(launching [\d.]+, waiting on the device 0\.0\), "
                      r"[\d.]+ tokens sampled a step, idle \d+% of the run ", " ".join(output.split())), output
+    assert re.search(r"episodes: [\d.]+ s each on average \(starting [\d.]+, generating [\d.]+, in tools [\d.]+, "
+                     r"grading [\d.]+\)", " ".join(output.split())), output
     metrics = [m for m in read_metrics(run_dir) if m["step"] >= 0]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics:
@@ -75,6 +77,10 @@ def test_short_run_then_resume(tmp_path, ray_session):
         # on a CPU a step computes as it is launched: nothing to wait for, no graphs
         assert 0 < m["engine/launch_ms"] <= m["engine/step_ms"] and m["engine/wait_ms"] == 0
         assert m["engine/graph_capture_s"] == 0
+        # where the episodes' time went: every phase timed, and generating took some
+        assert {f"rollout/episode_s/{p}" for p in ("start", "generate", "tools", "grade")} <= m.keys()
+        assert m["rollout/episode_s/generate"] > 0
+        assert any(k.startswith("rollout/domain/") and k.endswith("/episode_s/tools") for k in m)
         assert "rollout/effort/low/reward" in m or "rollout/effort/max/reward" in m or "rollout/effort/medium/reward" in m
         if m["rollout/trained_samples"] and not m.get("train/skipped"):  # the learner's FLOPs rate: 6N per real token
             flops = 6 * m["train/seq_tokens"] * active_parameters_of(TINY["model"]) / m["time/learner_step_s"]
@@ -88,6 +94,9 @@ def test_short_run_then_resume(tmp_path, ray_session):
         roles = [m["role"] for m in rec["transcript"]]
         assert roles[:3] == ["system", "user", "assistant"] and rec["task_id"] and rec["domain"]
         assert roles.count("assistant") == rec["turns"]
+        assert set(rec["phase_s"]) == {"start", "generate", "tools", "grade"}
+        assert rec["phase_s"]["generate"] > 0 and rec["phase_s"]["tools"] > 0  # a turn at least, a step each
+        assert min(rec["phase_s"].values()) >= 0
     # Resume with more steps: it continues at step 3, not from scratch.
     output = run_cli("train", "--resume", str(run_dir), "train.steps=5")
     assert "continuing at step 3" in output
@@ -214,7 +223,8 @@ def comparable_metrics(run_dir: Path) -> list[dict]:
     an engine step, depends on the clock)."""
     timed = ("time/", "throughput/", "engine/", "rollout/tokens_per_s", "env/sandbox_live", "sft/step_s",
              "train/model_tflops_per_s", "train/mfu")
-    return [{k: v for k, v in m.items() if not k.startswith(timed)} for m in read_metrics(run_dir)]
+    return [{k: v for k, v in m.items() if not k.startswith(timed) and "/episode_s/" not in k}
+            for m in read_metrics(run_dir)]
 
 
 def test_synchronous_runs_with_one_seed_are_identical(tmp_path, ray_session):
