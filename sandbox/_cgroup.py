@@ -88,12 +88,9 @@ class Cgroup:
             if not optional:
                 raise
 
-    def join_self(self) -> None:
-        """Move the calling process in (used in the child between fork and exec)."""
-        pid = str(os.getpid())
-        for d in self.dirs:
-            with open(d / "cgroup.procs", "w") as f:
-                f.write(pid)
+    def procs_files(self) -> list[str]:
+        """The files a process writes its pid to to join (one per controller hierarchy on v1)."""
+        return [str(d / "cgroup.procs") for d in self.dirs]
 
     def pids(self) -> set[int]:
         out: set[int] = set()

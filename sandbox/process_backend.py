@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -178,13 +177,6 @@ class ProcessSandbox(AgentSandbox):
         cg = self._cg
 
         mem_bytes = lim.memory_mb << 20
-
-        def in_child() -> None:  # between fork and exec: enter the cgroup before anything can fork
-            if cg is not None:
-                cg.join_self()
-            else:  # no writable cgroup here: a per-process address-space cap is the fallback
-                resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
-
         log = open(self._state / "agent.log", "wb")
         info_r = info_w = -1
         try:
@@ -203,8 +195,8 @@ class ProcessSandbox(AgentSandbox):
                         "nproc": 0 if self._cg else lim.pids, "uid": SANDBOX_UID, "python": py}
                 argv = unshare + [py, "-I", "-S", "-c", _UNSHARE_BOOT, json.dumps(spec), AGENT_SOURCE, cfg]
                 pass_fds = ()
-            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                          pass_fds=pass_fds, preexec_fn=in_child, close_fds=True)
+            self._proc = subprocess.Popen(_confined(cg, mem_bytes) + argv, stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=log, pass_fds=pass_fds, close_fds=True)
         finally:
             log.close()
             if info_w >= 0:
@@ -269,6 +261,22 @@ class ProcessSandbox(AgentSandbox):
         if self._cg is not None:
             self._cg.remove()
         shutil.rmtree(self._state, ignore_errors=True)
+
+
+# The sandbox's first process is a shell that enters the limits and then becomes bwrap (or
+# unshare), so that nothing the sandbox runs can fork outside them. Done in Python between fork
+# and exec (a preexec_fn), it kept subprocess from using vfork: every start copied the owner's
+# address space, a large threaded Ray actor's in a run.
+_JOIN_CGROUP = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+_CAP_MEMORY = 'ulimit -v "$1" || exit 125; shift; exec "$@"'
+
+
+def _confined(cg: "_cgroup.Cgroup | None", mem_bytes: int) -> list[str]:
+    """The argv prefix that puts the process in `cg`, or, with no writable cgroup here, caps its
+    address space at mem_bytes (a per-process fallback), before it execs the rest."""
+    if cg is not None:
+        return ["/bin/sh", "-c", _JOIN_CGROUP, "sh", *cg.procs_files(), "--"]
+    return ["/bin/sh", "-c", _CAP_MEMORY, "sh", str(mem_bytes >> 10)]
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -59,6 +59,17 @@ def test_memory_hog_is_killed(make_sb):
     assert neighbour.exec("python3 -c 'x = bytearray(200 << 20); print(len(x) >> 20)'").stdout == "200\n"
 
 
+def test_without_a_writable_cgroup_each_process_sandbox_caps_its_memory(backend, make_sb, monkeypatch):
+    if backend != "process":
+        pytest.skip("the process backend's fallback (docker sets its own limits)")
+    monkeypatch.setenv("RL_SANDBOX_NO_CGROUP", "1")
+    sb = make_sb("capped", limits=SMALL)
+    assert sb.exec("ulimit -v").stdout.strip() == str(SMALL.memory_mb << 10)  # kB, inherited by everything
+    r = sb.exec(["python3", "-c", "b = []\nwhile True: b.append(bytearray(16 << 20))"], timeout=20)
+    assert r.exit_code != 0 and "MemoryError" in r.stderr, r
+    assert sb.exec("echo alive").stdout == "alive\n"
+
+
 def test_disk_filler_gets_no_space(make_sb):
     sb = make_sb("disk", limits=SMALL)
     r = sb.exec("head -c 200M /dev/zero > big", timeout=20)
