@@ -343,6 +343,8 @@ class _EnvHealth:
 # the native engine's running totals (EngineStats.extra) the pace reads: host time launching steps,
 # host time waiting on the device for their results, time capturing CUDA graphs
 _PACE_EXTRAS = ("launch_s", "wait_s", "graph_capture_s")
+
+# the end-of-run line's words for rl.types.EPISODE_PHASES
 PHASE_WORDS = {"start": "starting", "generate": "generating", "tools": "in tools", "grade": "grading"}
 
 

@@ -365,8 +365,8 @@ def rollout_record(step: int, s: Sample, trained: bool) -> dict[str, Any]:
             "task_id": s.task_id, "effort": s.effort, "reward": s.reward, "passed": s.passed,
             "version": s.weight_version, "versions": [s.weight_version, s.newest_version],
             "staleness": step - s.weight_version, "engine": s.engine, "tokens": s.response_tokens,
-            "turns": s.num_turns, "truncated": s.truncated, "phase_s": s.phase_s, "error": s.grade_error, "grade": s.grade_details,
-            "transcript": s.transcript}
+            "turns": s.num_turns, "truncated": s.truncated, "phase_s": s.phase_s, "error": s.grade_error,
+            "grade": s.grade_details, "transcript": s.transcript}
 
 
 def item_from_dict(data: dict[str, Any]) -> WorkItem:
