@@ -174,8 +174,6 @@ class ProcessSandbox(AgentSandbox):
         self._cg = _cgroup.Cgroup.create(self.id, lim.memory_mb, lim.pids, lim.cpus)
         py = _python_for(self._root)
         cfg = self._agent_config()
-        cg = self._cg
-
         mem_bytes = lim.memory_mb << 20
         log = open(self._state / "agent.log", "wb")
         info_r = info_w = -1
@@ -195,7 +193,7 @@ class ProcessSandbox(AgentSandbox):
                         "nproc": 0 if self._cg else lim.pids, "uid": SANDBOX_UID, "python": py}
                 argv = unshare + [py, "-I", "-S", "-c", _UNSHARE_BOOT, json.dumps(spec), AGENT_SOURCE, cfg]
                 pass_fds = ()
-            self._proc = subprocess.Popen(_confined(cg, mem_bytes) + argv, stdin=subprocess.PIPE,
+            self._proc = subprocess.Popen(_confined(self._cg, mem_bytes) + argv, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=log, pass_fds=pass_fds, close_fds=True)
         finally:
             log.close()

@@ -1,15 +1,20 @@
 """The environment worker under concurrent groups: a full sandbox pool makes groups wait, never
-wait on each other forever."""
+wait on each other forever; a run's worker keeps a sandbox warm for each episode in flight."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 import pytest
 
 from envs.registry import resolve
+from rl.cluster import start_env_side
+from rl.config import validate
 from rl.rollout.env_worker import EnvWorker
 from rl.types import WorkItem
+
+from tests_rl_config import TINY
 
 
 def open_groups_at_once(worker: EnvWorker, env: str, groups: int, members: int, timeout: float,
@@ -75,13 +80,6 @@ def test_concurrent_episodes_build_the_task_set_once(ray_session, monkeypatch):
 def test_a_run_keeps_a_sandbox_warm_for_every_episode_it_plays_at_once(ray_session):
     """rollout.warm_sandboxes by default: each episode the rollout can hold at once finds a started
     sandbox (2 workers x 1 group x 2 members = 4), so a group's start never waits for cold starts."""
-    import time
-
-    from rl.cluster import start_env_side
-    from rl.config import validate
-
-    from tests_rl_config import TINY
-
     cfg = validate({**TINY, "envs": [e for e in TINY["envs"] if e["name"] == "shell"], "rollout": {
         **TINY["rollout"], "num_workers": 2, "groups_per_worker": 1, "group_size": 2}})
     [worker] = start_env_side(cfg, "warm-test")
