@@ -53,10 +53,10 @@ class SandboxLimits:
     """Resource limits for one sandbox. Sizes in MiB, times in seconds.
 
     `memory_mb` bounds everything the sandbox holds in RAM, as `docker --memory` does:
-    its processes plus the files in its work dir and /tmp, which are size-limited tmpfs
-    (`disk_mb`, `tmp_mb`). Keep disk_mb + tmp_mb well under memory_mb so a full disk
-    fails with ENOSPC rather than an out-of-memory kill. User commands are the OOM
-    killer's first choice; the in-sandbox agent its last.
+    its processes plus the files in its work dir, /tmp and /dev/shm, which are size-limited
+    tmpfs (`disk_mb`; `tmp_mb` each for /tmp and /dev/shm). Keep disk_mb + 2 * tmp_mb well
+    under memory_mb so a full disk fails with ENOSPC rather than an out-of-memory kill.
+    User commands are the OOM killer's first choice; the in-sandbox agent its last.
 
     `ttl` is the sandbox's whole lifetime: it must exceed the episode deadline plus the
     grading time (a TTL equal to the rollout deadline is a known way to hang scoring).
@@ -66,7 +66,7 @@ class SandboxLimits:
     cpus: float = 1.0
     pids: int = 256
     disk_mb: int = 512  # the writable work dir
-    tmp_mb: int = 64  # /tmp
+    tmp_mb: int = 64  # /tmp, and /dev/shm apart
     exec_timeout: float = 60.0  # default per-exec timeout
     ttl: float = 3600.0
     max_output_bytes: int = 1 << 20  # per stream; the rest is drained and dropped

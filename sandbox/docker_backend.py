@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 from . import _cgroup
 from ._client import AGENT_SOURCE, WORKDIR, AgentConnection, AgentSandbox
 from .base import ExecResult, SandboxError, SandboxLimits
-from .owner import STATE_ROOT, owner_alive, start_time
+from .owner import STATE_ROOT, check_state_root, owner_alive, start_time
 
 DEFAULT_IMAGE = os.environ.get("RL_SANDBOX_IMAGE", "rl-sandbox-base:latest")
 LABEL = "rl.sandbox"
@@ -105,6 +105,7 @@ def _create_and_start(image: str, command: list[str], name: str, labels: dict[st
         auto_remove=True, init=True, network_mode="bridge" if lim.network else "none",
         mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m", nano_cpus=int(lim.cpus * 1e9),
         pids_limit=lim.pids, read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+        shm_size=f"{lim.tmp_mb}m",  # not the daemon's default: /dev/shm is bounded as /tmp is
         tmpfs={WORKDIR: f"size={lim.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
                "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
         binds={str(state): {"bind": "/run/rl", "mode": "ro"}},
@@ -146,6 +147,7 @@ class DockerSandbox(AgentSandbox):
         lim = self.limits
         # The host listens and the container connects: the state dir is mounted read-only,
         # so the sandbox cannot write to the host's disk through it.
+        check_state_root()
         self._state.mkdir(parents=True, mode=0o755)
         (self._state / "owner.json").write_text(json.dumps({"owner_pid": os.getpid(),
                                                              "owner_start": start_time(os.getpid())}))
@@ -307,6 +309,7 @@ def gc_docker_sandboxes(all_: bool = False, run: str | None = None) -> list[str]
 def sweep_state_dirs() -> list[str]:
     """Remove the host-side dirs (agent socket, agent.py) of docker sandboxes whose owner
     died: the container itself went with its owner, this bookkeeping did not."""
+    check_state_root()
     removed = []
     try:
         entries = list((STATE_ROOT / "docker").iterdir())
@@ -342,7 +345,7 @@ def raw_docker_run_kwargs(limits: SandboxLimits) -> dict[str, Any]:
     return dict(detach=True, init=True, user=SANDBOX_USER, working_dir=WORKDIR, network_mode="none",
                 mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
                 nano_cpus=int(limits.cpus * 1e9), pids_limit=limits.pids, read_only=True, cap_drop=["ALL"],
-                security_opt=["no-new-privileges"],
+                security_opt=["no-new-privileges"], shm_size=f"{limits.tmp_mb}m",
                 tmpfs={WORKDIR: f"size={limits.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
                        "/tmp": f"size={limits.tmp_mb}m,mode=1777,exec"},
                 labels={LABEL: "1", "rl.id": "raw-bench", "rl.owner_pid": str(os.getpid()),

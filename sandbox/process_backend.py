@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from . import _cgroup
-from ._client import AGENT_SOURCE, WORKDIR, AgentConnection, AgentSandbox
+from ._client import AGENT_SOURCE, WORKDIR, AgentConnection, AgentSandbox, base_env
 from .base import ExecResult, SandboxError, SandboxLimits
-from .owner import STATE_ROOT, owner_alive, start_time
+from .owner import STATE_ROOT, check_state_root, owner_alive, start_time
 
 PROCESS_STATE = STATE_ROOT / "process"  # one dir per live sandbox: meta.json, agent.py, etc/
 SANDBOX_UID = 1000
@@ -65,8 +65,9 @@ def _host_view(root: Path, state: Path, network: bool) -> list[tuple[str, str, s
         elif p.is_dir():
             view.append(("ro", str(p), "/" + top))
     # only harmless, non-secret parts of /etc; identity files are generated
-    for name in ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "ssl", "ca-certificates",
-                 "mime.types", "nsswitch.conf", "python3", "python3.11"):
+    # /etc/ssl without its private/: a root owner's bubblewrap maps the sandbox user onto root
+    for name in ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "ssl/certs",
+                 "ssl/openssl.cnf", "ca-certificates", "mime.types", "nsswitch.conf", "python3", "python3.11"):
         if (root / "etc" / name).exists():
             view.append(("ro", str(root / "etc" / name), "/etc/" + name))
     if network and (root / "etc/resolv.conf").exists():
@@ -85,11 +86,14 @@ def _bwrap_argv(root: Path, state: Path, limits: SandboxLimits, info_fd: int) ->
         argv.append("--share-net")
     for kind, src, dst in _host_view(root, state, limits.network):
         argv += ["--symlink", src, dst] if kind == "symlink" else ["--ro-bind", src, dst]
+    # bwrap's /dev is an unbounded tmpfs the sandbox user owns: /dev/shm gets a size-limited tmpfs
+    # of its own (as /tmp, and docker's shm_size) and the rest of /dev is made read-only
     argv += ["--proc", "/proc", "--dev", "/dev",
+             "--size", str(limits.tmp_mb << 20), "--perms", "1777", "--tmpfs", "/dev/shm",
              "--size", str(limits.disk_mb << 20), "--perms", "0755", "--tmpfs", WORKDIR,
              "--size", str(limits.tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
              "--ro-bind", str(state / "agent.py"), "/.rl/agent.py",
-             "--remount-ro", "/", "--chdir", WORKDIR, "--info-fd", str(info_fd)]
+             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR, "--info-fd", str(info_fd)]
     return argv
 
 
@@ -105,7 +109,7 @@ def bind_ro(src, dst):
     if os.path.isdir(src): os.makedirs(dst, exist_ok=True)
     else:
         os.makedirs(os.path.dirname(dst), exist_ok=True); open(dst, "a").close()
-    mount("--rbind", src, dst); mount("-o", "remount,bind,ro", dst)
+    mount("--rbind", src, dst); mount("-o", "remount,bind,ro,nosuid,nodev", dst)
 new = spec["root"]
 mount("--make-rprivate", "/")
 mount("-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", new)
@@ -118,7 +122,8 @@ for dev in ("null", "zero", "full", "random", "urandom", "tty"):
 for d, size, mode, owner in (("/dev/shm", spec["tmp"], "1777", 0), ("/tmp", spec["tmp"], "1777", 0),
                              (spec["workdir"], spec["disk"], "0755", spec["uid"])):
     os.makedirs(new + d, exist_ok=True)
-    mount("-t", "tmpfs", "-o", "size=%d,mode=%s,uid=%d,gid=%d" % (size, mode, owner, owner), "tmpfs", new + d)
+    mount("-t", "tmpfs", "-o", "size=%d,mode=%s,uid=%d,gid=%d,nosuid,nodev" % (size, mode, owner, owner), "tmpfs",
+          new + d)
 os.makedirs(new + "/proc", exist_ok=True)
 mount("-t", "proc", "proc", new + "/proc")
 mount("-o", "remount,ro", new)
@@ -128,6 +133,10 @@ if spec["nproc"] > 0:  # only without a pids cgroup: NPROC counts the uid's proc
     resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
 uid = spec["uid"]
 os.setgroups([]); os.setgid(uid); os.setuid(uid)
+import ctypes
+# PR_SET_NO_NEW_PRIVS: no user namespace here, so a setuid-root binary would run as the host's root
+if ctypes.CDLL(None).prctl(38, 1, 0, 0, 0) != 0:
+    sys.exit("sandbox boot: prctl(PR_SET_NO_NEW_PRIVS) failed")
 child = os.fork()
 if child == 0:
     os.execv(spec["python"], [spec["python"], "-I", "-S", "-c", sys.argv[2], sys.argv[3]])
@@ -169,6 +178,7 @@ class ProcessSandbox(AgentSandbox):
 
     def _start(self) -> None:
         lim = self.limits
+        check_state_root()
         self._state.mkdir(parents=True, exist_ok=False)
         self._write_meta()  # before anything else exists, so gc never takes it for debris
         self._cg = _cgroup.Cgroup.create(self.id, lim.memory_mb, lim.pids, lim.cpus)
@@ -184,7 +194,9 @@ class ProcessSandbox(AgentSandbox):
                 argv = _bwrap_argv(self._root, self._state, lim, info_w) + [py, "-I", "-S", "/.rl/agent.py", cfg]
                 pass_fds: Sequence[int] = (info_w,)
             else:
-                unshare = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
+                # looked up on the owner's PATH: the launcher runs with the sandbox's
+                unshare = [shutil.which("unshare") or "unshare", "--mount", "--pid", "--fork", "--kill-child",
+                           "--mount-proc", "--ipc", "--uts"]
                 if not lim.network:
                     unshare.append("--net")
                 (self._state / "root").mkdir()
@@ -193,8 +205,11 @@ class ProcessSandbox(AgentSandbox):
                         "nproc": 0 if self._cg else lim.pids, "uid": SANDBOX_UID, "python": py}
                 argv = unshare + [py, "-I", "-S", "-c", _UNSHARE_BOOT, json.dumps(spec), AGENT_SOURCE, cfg]
                 pass_fds = ()
+            # not the owner's environment (its tokens and keys): the sandbox reads its agent's
+            # through /proc/1/environ
             self._proc = subprocess.Popen(_confined(self._cg, mem_bytes) + argv, stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=log, pass_fds=pass_fds, close_fds=True)
+                                          stdout=subprocess.PIPE, stderr=log, pass_fds=pass_fds, close_fds=True,
+                                          env=base_env(WORKDIR))
         finally:
             log.close()
             if info_w >= 0:
@@ -309,6 +324,7 @@ def _read_all(fd: int, timeout: float) -> bytes:
 
 
 def list_process_sandboxes() -> list[dict]:
+    check_state_root()  # gc kills the pids it lists
     out = []
     try:
         entries = list(PROCESS_STATE.iterdir())

@@ -1,0 +1,106 @@
+"""What SECURITY.md promises of every backend: nothing of the owner's environment inside, bounded
+shared memory, no privileges to regain, a state dir no other user can plant things in."""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+import sandbox
+from sandbox import SandboxError, SandboxLimits, owner
+
+# every environ (and command line) the sandbox can read: its own, its agent's, any other process's
+_READ_PROC = r"""
+import json, os
+out = {}
+for name in os.listdir("/proc"):
+    if name.isdigit() or name == "self":
+        for part in ("environ", "cmdline"):
+            try:
+                with open("/proc/%s/%s" % (name, part), "rb") as f:
+                    out[name + "/" + part] = f.read().decode("latin-1")
+            except OSError:
+                pass
+print(json.dumps(out))
+"""
+
+
+def test_the_owners_environment_never_reaches_the_sandbox(make_sb, monkeypatch: pytest.MonkeyPatch):
+    canary = f"canary-{uuid.uuid4().hex}"
+    monkeypatch.setenv("RL_CANARY_SECRET", canary)  # as a WANDB_API_KEY or HF_TOKEN would be
+    sb = make_sb("canary")
+    agent_pid = sb.info()["agent_pid"]
+    r = sb.exec(["python3", "-c", _READ_PROC])
+    assert r.exit_code == 0, r
+    seen = json.loads(r.stdout)
+    # the test reads where the leak was: the agent's environment (/proc/1 under bubblewrap) and its own
+    assert f"{agent_pid}/environ" in seen and "self/environ" in seen, sorted(seen)
+    assert "PATH=" in seen["self/environ"]
+    leaks = [k for k, v in seen.items() if canary in v or "RL_CANARY_SECRET" in v]
+    assert leaks == [], f"the owner's environment is readable inside at /proc/{leaks}"
+    env = sb.exec("env").stdout
+    assert "PATH=" in env and canary not in env
+
+
+def test_dev_shm_is_bounded_and_the_rest_of_dev_is_read_only(make_sb):
+    lim = SandboxLimits(memory_mb=256, pids=64, disk_mb=32, tmp_mb=16, exec_timeout=20)
+    sb = make_sb("shm", limits=lim)
+    # usable for what needs it (POSIX shared memory, semaphores)
+    r = sb.exec(["python3", "-c", "from multiprocessing import shared_memory as s\n"
+                 "m = s.SharedMemory(create=True, size=1 << 20); m.close(); m.unlink(); print('ok')"])
+    assert r.stdout == "ok\n", r
+    # well under the memory limit, so only a size limit on /dev/shm stops it
+    r = sb.exec("head -c 100M /dev/zero > /dev/shm/fill", timeout=20)
+    assert r.exit_code != 0 and "No space left" in r.stderr, r
+    assert int(sb.exec("stat -c %s /dev/shm/fill").stdout) <= lim.tmp_mb << 20
+    r = sb.exec("echo x > /dev/rl-fill")
+    assert r.exit_code != 0 and ("Read-only" in r.stderr or "Permission denied" in r.stderr), r
+
+
+def test_no_privileges_to_regain(make_sb):
+    sb = make_sb("privs")
+    lines = sb.exec("cat /proc/self/status").stdout.splitlines()
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    assert status["Uid"].split()[1] != "0"  # effective uid
+    assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
+    # the kernel then ignores setuid bits and file capabilities: no binary of /usr runs as root
+    assert status["NoNewPrivs"].strip() == "1"
+
+
+def test_the_hosts_private_keys_are_outside_the_view(backend, make_sb):
+    if backend != "process":
+        pytest.skip("a docker sandbox sees its image, not the host's /etc")
+    sb = make_sb("keys")
+    assert sb.exec("test -e /etc/ssl/private").exit_code != 0
+    r = sb.exec(["python3", "-c", "import ssl; print(len(ssl.create_default_context().get_ca_certs()) > 0)"])
+    assert r.stdout == "True\n", r  # the CA certificates are still there
+
+
+def test_memory_held_in_files_counts_against_the_memory_limit(backend, make_sb):
+    lim = SandboxLimits(memory_mb=128, pids=64, disk_mb=32, tmp_mb=16, exec_timeout=20)
+    sb = make_sb("memfd", limits=lim)
+    if backend == "process" and sb._cg is None:
+        pytest.skip("no writable cgroup here: the address-space cap does not bound a memfd (SECURITY.md)")
+    # written, never mapped: invisible to an address-space cap, charged to the memory cgroup
+    r = sb.exec(["python3", "-c", "import os\nfd = os.memfd_create('x')\n"
+                 "for _ in range(300): os.write(fd, bytes(1 << 20))\nprint('held 300 MiB')"], timeout=20)
+    assert r.exit_code == 137 and "out of memory" in (r.error or ""), r
+    assert sb.exec("echo alive").stdout == "alive\n"
+
+
+def test_a_state_dir_others_can_write_to_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    shared = tmp_path / "state"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # as another user who made /tmp/rl-sandbox-<uid> first could leave it
+    monkeypatch.setattr(owner, "STATE_ROOT", shared)
+    monkeypatch.setattr(owner, "_checked", False)
+    with pytest.raises(SandboxError, match="not a directory of this user's alone"):
+        owner.check_state_root()
+    with pytest.raises(SandboxError, match="not a directory of this user's alone"):
+        sandbox.open_sandbox("process", labels={"run": "state-dir"})
+    assert os.listdir(shared) == []  # nothing was started from it
+    shared.chmod(0o700)
+    owner.check_state_root()
