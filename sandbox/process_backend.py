@@ -9,6 +9,7 @@ pid namespace guarantees nothing survives close(): its init dies with the agent.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -35,6 +36,16 @@ def bwrap_path() -> str | None:
     if os.environ.get("RL_SANDBOX_NO_BWRAP") == "1":
         return None
     return shutil.which("bwrap")
+
+
+@functools.lru_cache(maxsize=None)
+def bwrap_disables_userns(bwrap: str) -> bool:
+    """Whether this bubblewrap (0.8 and later) can forbid user namespaces inside the sandbox."""
+    try:
+        return "--disable-userns" in subprocess.run([bwrap, "--help"], capture_output=True, text=True,
+                                                    timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _etc_files(state: Path) -> Path:
@@ -84,6 +95,8 @@ def _bwrap_argv(root: Path, state: Path, limits: SandboxLimits, info_fd: int) ->
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
     if limits.network:
         argv.append("--share-net")
+    if bwrap_disables_userns(argv[0]):  # a nested user namespace is root over new kernel surface
+        argv += ["--unshare-user", "--disable-userns"]
     for kind, src, dst in _host_view(root, state, limits.network):
         argv += ["--symlink", src, dst] if kind == "symlink" else ["--ro-bind", src, dst]
     # bwrap's /dev is an unbounded tmpfs the sandbox user owns: /dev/shm gets a size-limited tmpfs

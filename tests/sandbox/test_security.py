@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import sandbox
-from sandbox import SandboxError, SandboxLimits, owner
+from sandbox import SandboxError, SandboxLimits, owner, process_backend
 
 # every environ (and command line) the sandbox can read: its own, its agent's, any other process's
 _READ_PROC = r"""
@@ -60,7 +60,7 @@ def test_dev_shm_is_bounded_and_the_rest_of_dev_is_read_only(make_sb):
     assert r.exit_code != 0 and ("Read-only" in r.stderr or "Permission denied" in r.stderr), r
 
 
-def test_no_privileges_to_regain(make_sb):
+def test_no_privileges_to_regain(backend, make_sb):
     sb = make_sb("privs")
     lines = sb.exec("cat /proc/self/status").stdout.splitlines()
     status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
@@ -68,6 +68,12 @@ def test_no_privileges_to_regain(make_sb):
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
     # the kernel then ignores setuid bits and file capabilities: no binary of /usr runs as root
     assert status["NoNewPrivs"].strip() == "1"
+    # nor is a user namespace (root in it, over mount, network and more of the kernel) to be had
+    bwrap = process_backend.bwrap_path() if backend == "process" else None
+    if bwrap and not process_backend.bwrap_disables_userns(bwrap):
+        pytest.skip("this bubblewrap (before 0.8) cannot forbid user namespaces inside")
+    r = sb.exec("unshare --user --map-root-user id -u")
+    assert r.exit_code != 0 and r.stdout == "", r
 
 
 def test_the_hosts_private_keys_are_outside_the_view(backend, make_sb):
@@ -89,6 +95,32 @@ def test_memory_held_in_files_counts_against_the_memory_limit(backend, make_sb):
                  "for _ in range(300): os.write(fd, bytes(1 << 20))\nprint('held 300 MiB')"], timeout=20)
     assert r.exit_code == 137 and "out of memory" in (r.error or ""), r
     assert sb.exec("echo alive").stdout == "alive\n"
+
+
+# two processes busy for 2 s of wall time, then the CPU seconds they got
+_BUSY = """
+import os, time
+end = time.monotonic() + 2
+for _ in range(2):
+    if os.fork() == 0:
+        while time.monotonic() < end:
+            pass
+        os._exit(0)
+for _ in range(2):
+    os.wait()
+t = os.times()
+print(t.children_user + t.children_system)
+"""
+
+
+def test_cpu_beyond_the_quota_is_not_granted(backend, make_sb):
+    sb = make_sb("cpu", limits=SandboxLimits(cpus=0.25))
+    if backend == "process" and sb._cg is None:
+        pytest.skip("no writable cgroup here: the process backend has no CPU limit without one (SECURITY.md)")
+    r = sb.exec(["python3", "-c", _BUSY], timeout=20)
+    assert r.exit_code == 0, r
+    # a quarter of a CPU for 2 s is 0.5 s; unthrottled they take what the host's free cores give
+    assert float(r.stdout) < 1.0, r
 
 
 def test_a_state_dir_others_can_write_to_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
