@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import typer
 
@@ -23,6 +24,18 @@ def _parse_kwargs(pairs: list[str]) -> dict:
     return out
 
 
+@contextmanager
+def _registry_errors() -> Iterator[None]:
+    """A registry that cannot be read (a corrupt registry.json) is one line and exit code 2."""
+    from envs.registry import EnvRegistryError
+
+    try:
+        yield
+    except EnvRegistryError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 @env_app.command("list")
 def list_cmd(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
     """Show every registered environment: name, domain, tools, dataset sizes, last check."""
@@ -30,7 +43,8 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="print JSON inst
 
     from envs.registry import list_envs
 
-    specs = list_envs()
+    with _registry_errors():
+        specs = list_envs()
     if as_json:
         typer.echo(json.dumps([asdict(s) for s in specs], indent=1, default=str))
         return
@@ -63,8 +77,9 @@ def check_cmd(
     bad = sorted(set(split or []) - set(SPLITS))
     if bad:
         raise typer.BadParameter(f"unknown split {bad[0]!r}; expected one of {', '.join(SPLITS)}", param_hint="--split")
-    report = check_env(name, _parse_kwargs(kwarg or []), max_tasks=max_tasks, replays=replays,
-                       splits=tuple(split) if split else SPLITS)
+    with _registry_errors():
+        report = check_env(name, _parse_kwargs(kwarg or []), max_tasks=max_tasks, replays=replays,
+                           splits=tuple(split) if split else SPLITS)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=1))
     else:
@@ -115,11 +130,8 @@ def register_cmd(
 @env_app.command("unregister")
 def unregister_cmd(name: str = typer.Argument(..., help="a registered environment name")) -> None:
     """Forget an environment registered from a file (and its recorded checks)."""
-    from envs.registry import EnvRegistryError, unregister
+    from envs.registry import unregister
 
-    try:
+    with _registry_errors():
         target = unregister(name)
-    except EnvRegistryError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
     typer.echo(f"unregistered {name} (was {target})")

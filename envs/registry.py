@@ -194,13 +194,23 @@ def load_file_class(spec: str) -> type[Environment]:
         sys.modules[mod_name] = module
         try:
             file_spec.loader.exec_module(module)
-        except Exception:
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's file may do anything at import
             del sys.modules[mod_name]
-            raise
+            raise EnvRegistryError(f"environment file {path} failed at import: {_import_failure(exc)}") from None
         _ship_by_value(module)
     if not hasattr(module, cls_name):
         raise AttributeError(f"{path} has no class {cls_name!r}")
     return _check_class(getattr(module, cls_name), spec)
+
+
+def _import_failure(exc: BaseException) -> str:
+    """One line for what a module raised at import (sys.exit included)."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f"SyntaxError: {exc.msg} (line {exc.lineno})"
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def register_file(spec: str, name: str | None = None, replace: bool = False) -> str:
@@ -229,11 +239,23 @@ def _all_entries() -> dict[str, _Entry]:
         entries[name] = _Entry(name, _import_target(target), "builtin", target, defaults)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         entries[ep.name] = _Entry(ep.name, (lambda ep=ep: _check_class(ep.load(), ep.value)), "entry_point", ep.value)
-    for name, rec in _read_json(registry_dir() / "registry.json").items():
-        target = rec["target"]
+    for name, target in _file_targets().items():
         entries[name] = _Entry(name, (lambda t=target: load_file_class(t)), "file", target)
     entries.update(_ENTRIES)
     return entries
+
+
+def _file_targets() -> dict[str, str]:
+    """registry.json's {name: "path.py:Class"}; a record of another shape is refused with one line."""
+    path = registry_dir() / "registry.json"
+    targets = {}
+    for name, rec in _read_json(path).items():
+        target = rec.get("target") if isinstance(rec, dict) else None
+        if not isinstance(target, str) or ":" not in target:
+            raise EnvRegistryError(f"corrupt registry file {path}: the entry {name!r} has no \"target\": "
+                                   f"\"path.py:Class\"; fix or delete the file (then register again)")
+        targets[name] = target
+    return targets
 
 
 def env_names() -> list[str]:
@@ -341,12 +363,20 @@ def record_check(name: str, report: dict[str, Any]) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """A registry file's object ({} when absent); EnvRegistryError names a file that cannot be used."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_bytes())
     except FileNotFoundError:
         return {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"corrupt registry file {path}: {exc}") from exc
+    except OSError as exc:
+        raise EnvRegistryError(f"cannot read registry file {path}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep, a number too long
+        detail = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EnvRegistryError(f"corrupt registry file {path}: {detail}; fix or delete it") from None
+    if not isinstance(data, dict):
+        raise EnvRegistryError(f"corrupt registry file {path}: expected a JSON object, got {type(data).__name__}; "
+                               f"fix or delete it")
+    return data
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

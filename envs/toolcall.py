@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from envs.json_input import JsonInputError, parse_json
+
 OPEN = "<|tool_call|>"
 CLOSE = "<|/tool_call|>"
 
@@ -50,9 +52,9 @@ def parse_turn(text: str) -> ParsedTurn:
     end = rest.find(CLOSE)
     body = rest if end < 0 else rest[:end]  # a missing close tag is tolerated if the JSON is whole
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return ParsedTurn(text=before, error=f"malformed tool call: invalid JSON ({exc.msg} at char {exc.pos})")
+        obj = parse_json(body)
+    except JsonInputError as exc:
+        return ParsedTurn(text=before, error=f"malformed tool call: {exc}")
     if not isinstance(obj, dict):
         return ParsedTurn(text=before, error="malformed tool call: expected a JSON object with 'name' and 'arguments'")
     name = obj.get("name")
@@ -61,9 +63,9 @@ def parse_turn(text: str) -> ParsedTurn:
     args = obj.get("arguments", {})
     if isinstance(args, str):  # OpenAI sends arguments as a JSON string; accept both
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
-            return ParsedTurn(text=before, error=f"malformed tool call: 'arguments' string is not JSON ({exc.msg})")
+            args = parse_json(args) if args.strip() else {}
+        except JsonInputError as exc:
+            return ParsedTurn(text=before, error=f"malformed tool call: 'arguments' string is not JSON: {exc}")
     if not isinstance(args, dict):
         return ParsedTurn(text=before, error="malformed tool call: 'arguments' must be a JSON object")
     return ParsedTurn(text=before, call=ToolCall(name=name, arguments=args))
