@@ -28,6 +28,7 @@ LABEL = "rl.sandbox"
 SANDBOX_USER = "1000:1000"
 START_TIMEOUT = 60.0
 HOST = socket.gethostname()
+LOG_MAX = "1m"  # of a container's log on the host
 
 _client_lock = threading.Lock()
 _client: Any = None
@@ -109,7 +110,9 @@ def _create_and_start(image: str, command: list[str], name: str, labels: dict[st
         tmpfs={WORKDIR: f"size={lim.disk_mb}m,mode=0755,uid=1000,gid=1000,exec",
                "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
         binds={str(state): {"bind": "/run/rl", "mode": "ro"}},
-        ulimits=[docker.types.Ulimit(name="nofile", soft=4096, hard=4096)])
+        ulimits=[docker.types.Ulimit(name="nofile", soft=4096, hard=4096)],
+        # sandboxed code can write to docker's init's stdout, which the daemon logs on the host's disk
+        log_config=docker.types.LogConfig(type="json-file", config={"max-size": LOG_MAX, "max-file": "1"}))
     resp = api.create_container(image, command, name=name, labels=labels, hostname="sandbox", user=SANDBOX_USER,
                                 working_dir=WORKDIR, host_config=host_config)
     api.start(resp["Id"])

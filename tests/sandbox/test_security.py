@@ -28,21 +28,92 @@ print(json.dumps(out))
 """
 
 
-def test_the_owners_environment_never_reaches_the_sandbox(make_sb, monkeypatch: pytest.MonkeyPatch):
+def _process_tree(root_pid: int) -> dict[int, tuple[int, bytes]]:
+    """For root_pid and every descendant, read from the host: its pid in its own pid namespace and
+    its environ."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) if d.name.isdigit() else None
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid is not None:
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = {}, [root_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            ns_pid = int(next(ln for ln in status.splitlines() if ln.startswith("NSpid:")).split()[-1])
+            out[pid] = (ns_pid, Path(f"/proc/{pid}/environ").read_bytes())
+        except OSError:
+            pass
+        todo += children.get(pid, [])
+    return out
+
+
+def test_the_owners_environment_never_reaches_the_sandbox(backend, make_sb, monkeypatch: pytest.MonkeyPatch):
     canary = f"canary-{uuid.uuid4().hex}"
     monkeypatch.setenv("RL_CANARY_SECRET", canary)  # as a WANDB_API_KEY or HF_TOKEN would be
     sb = make_sb("canary")
-    agent_pid = sb.info()["agent_pid"]
+    # inside: every environ the sandbox can read (its own, its agent's under bubblewrap: /proc/1)
     r = sb.exec(["python3", "-c", _READ_PROC])
     assert r.exit_code == 0, r
     seen = json.loads(r.stdout)
-    # the test reads where the leak was: the agent's environment (/proc/1 under bubblewrap) and its own
-    assert f"{agent_pid}/environ" in seen and "self/environ" in seen, sorted(seen)
-    assert "PATH=" in seen["self/environ"]
+    assert "PATH=" in seen["self/environ"], sorted(seen)
     leaks = [k for k, v in seen.items() if canary in v or "RL_CANARY_SECRET" in v]
     assert leaks == [], f"the owner's environment is readable inside at /proc/{leaks}"
     env = sb.exec("env").stdout
     assert "PATH=" in env and canary not in env
+    # from the host: no process of the sandbox, the agent included, carries it at all
+    if os.geteuid() != 0:
+        pytest.skip("reading the environment of the sandbox's processes from the host needs root")
+    if backend == "docker":
+        from sandbox.docker_backend import docker_client
+
+        root_pid = docker_client().api.inspect_container(sb.container_id)["State"]["Pid"]
+    else:
+        root_pid = sb._proc.pid
+    tree = _process_tree(root_pid)
+    assert sb.info()["agent_pid"] in [ns_pid for ns_pid, _ in tree.values()], tree  # the agent was read
+    assert [pid for pid, (_, environ) in tree.items() if canary.encode() in environ] == []
+
+
+# what of the agent (its channel to the owner, its log, its memory) a sandboxed process can get at
+_REACH_AGENT = r"""
+import ctypes, os, sys
+pid = int(sys.argv[1])
+got = []
+for part, flags in (("fd/0", os.O_WRONLY), ("fd/1", os.O_WRONLY), ("fd/2", os.O_WRONLY), ("mem", os.O_RDONLY),
+                    ("environ", os.O_RDONLY)):
+    try:
+        os.close(os.open("/proc/%d/%s" % (pid, part), flags))
+        got.append(part)
+    except OSError:
+        pass
+if ctypes.CDLL(None).ptrace(0x4206, pid, 0, 0) == 0:  # PTRACE_SEIZE: traces without stopping it
+    got.append("ptrace")
+print(" ".join(got))
+"""
+
+
+def test_the_agent_is_out_of_the_sandboxs_reach(make_sb):
+    sb = make_sb("agent")
+    r = sb.exec(["python3", "-c", _REACH_AGENT, str(sb.info()["agent_pid"])])
+    assert r.exit_code == 0 and r.stdout.strip() == "", r
+    assert sb.exec("echo still served").stdout == "still served\n"
+
+
+def test_a_containers_log_on_the_host_is_bounded(backend, make_sb):
+    if backend != "docker":
+        pytest.skip("docker only: the process backend's agent log is out of reach (test above)")
+    from sandbox.docker_backend import docker_client
+
+    sb = make_sb("log")
+    # docker's init (pid 1) runs as the sandbox user: its stdout is the container's log on the host's disk
+    r = sb.exec("yes 0123456789abcdef | head -c 20M > /proc/1/fd/1", timeout=60)
+    assert r.exit_code == 0, r
+    assert len(docker_client().api.logs(sb.container_id)) < 2 << 20
 
 
 def test_dev_shm_is_bounded_and_the_rest_of_dev_is_read_only(make_sb):
