@@ -145,7 +145,9 @@ def untar_into(archive: bytes, local: str | os.PathLike[str]) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r") as tf:
         try:
-            tf.extractall(str(dest), filter="data")
+            tf.extractall(str(dest), filter="data")  # no links out of dest, no devices, no setuid bits
+        except tarfile.TarError as e:
+            raise SandboxError(f"refusing the sandbox's archive: {e}") from None
         except TypeError:  # Python without extraction filters: check members ourselves
             base = dest.resolve()
             for m in tf.getmembers():

@@ -116,6 +116,18 @@ def test_a_containers_log_on_the_host_is_bounded(backend, make_sb):
     assert len(docker_client().api.logs(sb.container_id)) < 2 << 20
 
 
+def test_a_download_writes_nothing_outside_its_destination(make_sb, tmp_path: Path):
+    sb = make_sb("download")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for link in (str(outside), "../outside"):  # absolute, and relative out of the destination
+        assert sb.exec(["sh", "-c", 'rm -rf d && mkdir d && echo ok > d/f && ln -s "$1" d/link', "sh", link]).ok
+        with pytest.raises(SandboxError, match="link"):
+            sb.download("d", tmp_path / "back")
+        assert not (tmp_path / "back" / "link").exists() and not (tmp_path / "back" / "link").is_symlink()
+    assert os.listdir(outside) == []
+
+
 def test_dev_shm_is_bounded_and_the_rest_of_dev_is_read_only(make_sb):
     lim = SandboxLimits(memory_mb=256, pids=64, disk_mb=32, tmp_mb=16, exec_timeout=20)
     sb = make_sb("shm", limits=lim)
