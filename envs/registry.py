@@ -19,10 +19,12 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import math
 import os
 import sys
 import time
 import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -303,6 +305,79 @@ def check_names(names: Sequence[str], where: str = "envs") -> None:
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise EnvRegistryError(f"environment {name!r} in {where}[{i}] cannot be loaded from {entry.target}: "
                                    f"{type(exc).__name__}: {detail}") from None
+
+
+def check_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+    """For a run config, before anything starts: the registered environment `name` takes `kwargs` (over its
+    registration's defaults). A name its constructor does not take, or a value not of a parameter's simple
+    type (bool, int, float, str, None), is refused from the signature; then the environment is built once,
+    so that the constructor's own checks run (a built-in's constructor is cheap and opens no sandbox: one
+    opens at reset). Raises EnvRegistryError with one line."""
+    recipe = resolve(name, kwargs)
+    params = constructor_params(recipe.cls)
+    for key, value in recipe.kwargs.items() if params is not None else ():
+        if key not in params:
+            close = difflib.get_close_matches(key, list(params), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise EnvRegistryError(f"environment {name!r} takes no argument {key!r}; {hint}"
+                                   f"it takes: {', '.join(params)}")
+        if not _fits(value, params[key]):
+            kind = params[key].__name__ if isinstance(params[key], type) else str(params[key])
+            raise EnvRegistryError(f"environment {name!r}: {key!r} must be {kind}, got {repr(value)[:80]}")
+    try:
+        recipe.make().close()
+    except Exception as exc:  # noqa: BLE001 - whatever the constructor raises becomes the one line
+        lines = str(exc).strip().splitlines()
+        detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        raise EnvRegistryError(f"environment {name!r} refuses these kwargs: {detail}") from None
+
+
+def constructor_params(cls: type) -> dict[str, Any] | None:
+    """The keyword arguments `cls(...)` takes, each with its annotation (Any where none): its __init__'s and,
+    through a `**kwargs`, those of the next __init__ up the MRO (environments pass theirs on to
+    Environment's). None where a signature cannot be read."""
+    params: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if klass is object:  # reached through a **kwargs: object() takes none
+            return params
+        try:
+            signature = inspect.signature(init)
+        except (TypeError, ValueError):
+            return None
+        try:
+            hints = typing.get_type_hints(init)
+        except Exception:  # noqa: BLE001 - a hint naming what only type checkers import: no types then
+            hints = {}
+        passes_on = False
+        for p in list(signature.parameters.values())[1:]:  # after self
+            if p.kind is p.VAR_KEYWORD:
+                passes_on = True
+            elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                params.setdefault(p.name, hints.get(p.name, Any))
+        if not passes_on:
+            return params
+    return params
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether `value` has a parameter's simple annotated type; other annotations (mappings, specs) are
+    the constructor's to check."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return any(_fits(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    return True
 
 
 def class_version(cls: type) -> str:

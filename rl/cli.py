@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from rl import __version__
 from rl.config import ConfigError
@@ -28,7 +29,8 @@ def _mount(module: str, attr: str, name: str, help_text: str) -> None:
 
 
 def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    # the message is text, not markup (a key '[/x]' would be a closing tag), and one line at any width
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 

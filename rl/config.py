@@ -1,31 +1,129 @@
 """Run configuration: YAML file + dotted command-line overrides, validated before anything starts.
 
-Every section forbids unknown keys, so a typo fails at once with the key's dotted path.
+Every section forbids unknown keys, so a typo fails at once with the key's dotted path. Numbers are
+finite, never booleans, and bounded; the model's preset and overrides are checked against the
+model's config. Any input fails as one ConfigError line: no traceback, no hang.
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib.util
+import math
+import re
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
+from policy.config import PRESETS, ModelConfig, get_config
 from policy.effort import EFFORT_LEVELS
+from rl.rollout.cache_budget import check_cache_gib
 from sandbox import SandboxSpec
+
+# Upper bounds: far above any real run, low enough that a typo (10^30, a few extra zeros) fails
+# here rather than as an allocation or an endless loop minutes in
+MAX_CPUS = 1 << 16
+MAX_GPUS = 4096
+MAX_WORKERS = 4096  # processes of one kind
+MAX_ITEMS = 1 << 20  # groups, samples, tasks, slots, sandboxes; a model dimension
+MAX_TOKENS = 1 << 24  # a context, a budget, a batch
+MAX_STEPS = 10**7
+MAX_GIB = 1 << 16
+MAX_PLAIN_INT = 1 << 53  # an integer in a free-form mapping (env kwargs, sandbox): still exact as a JSON number
+# the YAML a config may be: a run config is a few hundred lines
+MAX_CONFIG_BYTES = 1 << 20
+MAX_DEPTH = 32  # levels of nesting
+MAX_NODES = 100_000  # values, every alias expanded: an anchor bomb ("billion laughs") stops here
+
+_BREAKS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")  # what str.splitlines splits at, and other controls
+
+
+def one_line(text: str) -> str:
+    """`text` with line breaks and control characters escaped: whatever a key or a file name holds,
+    an error stays one line."""
+    return _BREAKS.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 class ConfigError(ValueError):
     """A config problem, phrased as one line that names the key."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether an annotation admits only numbers (and None), wherever it holds a value."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _numeric(args[0])
+    if origin in (Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return bool(rest) and all(_numeric(a) for a in rest)
+    if origin is dict:
+        return _numeric(args[1])
+    if origin in (list, tuple):
+        return bool(args) and all(_numeric(a) for a in args if a is not Ellipsis)
+    return annotation in (int, float)
+
+
+def _holds_bool(value: Any) -> bool:
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+    return any(isinstance(item, bool) for item in items)
+
+
+def _plain(value: Any, where: str = "") -> None:
+    """Raise ValueError unless `value` is plain data: strings, finite numbers, booleans, null, lists and
+    mappings with string keys; what config.yaml can hold again and an actor can be handed."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"key {key!r}{f' in {where!r}' if where else ''} is not a string")
+            _plain(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _plain(item, f"{where}.{i}" if where else str(i))
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where!r} should be a finite number, got {value}")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_PLAIN_INT:
+        raise ValueError(f"{where!r} should be at most 2**53 in size, got {_short(value)}")
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        raise ValueError(f"{where!r} holds a {type(value).__name__}, not a config value (quote it for a string)")
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(value: Any) -> str:
+    try:
+        return _clip(repr(value))
+    except ValueError:  # an integer past Python's 4300 digits
+        return "a number too long to print"
+
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never a setting: every float is finite
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes true for 1 and false for 0; a NUL in a path or name fails only where the OS reads it
+        if _holds_bool(value) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError("Input should be a number, not a boolean")
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("Input should not hold a NUL character")
+        return value
 
 
 class RayConfig(Section):
     address: str | None = None  # None: start a local cluster; "auto" or "ray://host:port": join one
-    num_cpus: int | None = Field(default=None, ge=1)
+    num_cpus: int | None = Field(default=None, ge=1, le=MAX_CPUS)
     temp_dir: str | None = None  # defaults to <repo>/.cache/ray for a local cluster
 
 
@@ -44,11 +142,11 @@ class ResourcesConfig(Section):
     cache_tokens or gpu_memory_fraction to leave the learner room. Weights then cannot travel over
     NCCL (one GPU cannot be two NCCL ranks)."""
 
-    learner_gpus: int = Field(default=0, ge=0)  # one DeepSpeed rank per GPU
+    learner_gpus: int = Field(default=0, ge=0, le=MAX_GPUS)  # one DeepSpeed rank per GPU
     # the learner's DeepSpeed ranks (data parallel; train.expert_parallel of them share the experts):
     # None means one per learner GPU, or one CPU process without GPUs
-    learner_ranks: int | None = Field(default=None, ge=1)
-    rollout_gpus: float = Field(default=0.0, ge=0)  # per rollout worker
+    learner_ranks: int | None = Field(default=None, ge=1, le=MAX_GPUS)
+    rollout_gpus: float = Field(default=0.0, ge=0, le=64)  # per rollout worker
     colocate: bool = False
     release_rollout_caches: bool = True  # colocated, synchronous: free the engines' caches for each learner step
 
@@ -72,28 +170,77 @@ class ResourcesConfig(Section):
 
 
 class ModelSection(Section):
-    preset: str = "toy"
-    overrides: dict[str, Any] = Field(default_factory=dict)
-    vocab_size: int = Field(default=512, ge=300)  # BPE vocabulary trained on the environments' text
+    preset: str = "toy"  # policy.config.PRESETS
+    overrides: dict[str, Any] = Field(default_factory=dict)  # fields of policy.config.ModelConfig
+    vocab_size: int = Field(default=512, ge=300, le=MAX_ITEMS)  # BPE vocabulary trained on the environments' text
     init_from: str | None = None  # a save_pretrained directory to start from
     # a transformers causal LM directory (e.g. `rl model import smollm2`): the policy, its tokenizer
     # and chat template instead of a preset and a trained BPE tokenizer
     hf_path: str | None = None
 
+    def shapes(self) -> ModelConfig:
+        """The preset with its overrides, at the vocabulary the tokenizer is trained to (rl.cluster.model_spec)."""
+        return get_config(self.preset, **{**self.overrides, "vocab_size": self.vocab_size})
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        if value not in PRESETS:
+            raise ValueError(f"unknown preset {value!r}; known: {', '.join(PRESETS)}")
+        return value
+
+    @field_validator("overrides")
+    @classmethod
+    def _model_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        fields = _model_field_types()
+        for key, item in value.items():
+            if key == "vocab_size":
+                raise ValueError("'vocab_size' is the tokenizer's: set model.vocab_size")
+            if key not in fields:
+                close = difflib.get_close_matches(key, list(fields), n=1)
+                raise ValueError(f"unknown model field {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+            try:
+                fields[key].validate_python(item)
+            except ValidationError as exc:
+                raise ValueError(f"{key!r}: {exc.errors()[0]['msg']}, got {_short(item)}") from None
+            if isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_ITEMS:
+                raise ValueError(f"{key!r}: should be at most {MAX_ITEMS:,} in size, got {_short(item)}")
+        return value
+
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":
         if self.hf_path and self.init_from:
             raise ValueError("give model.hf_path (a transformers model) or model.init_from (our checkpoint), not both")
+        if self.hf_path and self.overrides:
+            raise ValueError("model.overrides shape our presets; a transformers policy (model.hf_path) has its own "
+                             "config.json")
         return self
+
+    @model_validator(mode="after")
+    def _a_valid_model(self) -> "ModelSection":
+        # the model config's own checks (head and expert counts, layer types...) now, not in the learner
+        if not self.hf_path:
+            try:
+                self.shapes()
+            except (ValueError, TypeError) as exc:  # policy.config.ConfigError is a ValueError
+                raise ValueError(f"model.overrides make no valid model: {exc}") from None
+        return self
+
+
+@functools.cache
+def _model_field_types() -> dict[str, TypeAdapter]:
+    """Each ModelConfig field's type, checked strictly: no boolean for a number, no string for either."""
+    strict = ConfigDict(strict=True, allow_inf_nan=False)
+    return {name: TypeAdapter(hint, config=strict) for name, hint in typing.get_type_hints(ModelConfig).items()}
 
 
 class VLLMSection(Section):
     """rollout.engine: vllm (rl.rollout.vllm_engine.VLLMEngine)."""
 
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    max_model_len: int = Field(default=4096, ge=64)
-    max_num_seqs: int = Field(default=64, ge=1)
-    kv_cache_gib: int = Field(default=1, ge=1)  # on CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    max_model_len: int = Field(default=4096, ge=64, le=MAX_TOKENS)
+    max_num_seqs: int = Field(default=64, ge=1, le=MAX_ITEMS)
+    kv_cache_gib: int = Field(default=1, ge=1, le=MAX_GIB)  # on CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     memory_fraction: float = Field(default=0.05, gt=0, le=1)  # on CPU: the share of RAM vLLM reserves
     verify_every_update: bool = True  # probe logprobs after each weight update (MoE reloads drift on CPU)
 
@@ -103,6 +250,13 @@ class EnvEntry(Section):
     weight: float = Field(default=1.0, gt=0)
     kwargs: dict[str, Any] = Field(default_factory=dict)
     sandbox: dict[str, Any] | None = None  # overrides fields of the environment's SandboxSpec
+
+    @field_validator("kwargs", "sandbox")
+    @classmethod
+    def _plain_data(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # checked against the environment's constructor by envs.registry.check_kwargs (rl.trainer.train)
+        _plain(value)
+        return value
 
     @field_validator("sandbox")
     @classmethod
@@ -114,8 +268,11 @@ class EnvEntry(Section):
 
 class EffortConfig(Section):
     # Tokens the model may generate per assistant turn at each effort level.
-    budgets: dict[str, int] = Field(default_factory=lambda: {"low": 24, "medium": 48, "high": 96, "max": 160})
-    weights: dict[str, float] = Field(default_factory=lambda: {lvl: 1.0 for lvl in EFFORT_LEVELS})
+    budgets: dict[str, Annotated[int, Field(gt=0, le=MAX_TOKENS)]] = Field(
+        default_factory=lambda: {"low": 24, "medium": 48, "high": 96, "max": 160})
+    # how often the scheduler draws each level (relative; 0: never)
+    weights: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=lambda: {lvl: 1.0 for lvl in EFFORT_LEVELS})
 
     @field_validator("budgets", "weights")
     @classmethod
@@ -132,35 +289,39 @@ class EffortConfig(Section):
         missing = [lvl for lvl, w in self.weights.items() if w > 0 and lvl not in self.budgets]
         if missing:
             raise ValueError(f"effort level {missing[0]!r} has a weight but no budget")
+        if not any(w > 0 for w in self.weights.values()):
+            raise ValueError(f"effort.weights: at least one level needs a weight > 0, got {self.weights}")
         return self
 
 
 class RolloutConfig(Section):
-    num_workers: int = Field(default=2, ge=1)
-    env_workers: int = Field(default=1, ge=1)
-    groups_per_step: int = Field(default=8, ge=1)  # (prompt, effort) groups per training step
-    group_size: int = Field(default=4, ge=2)  # samples per group (GRPO's G)
+    num_workers: int = Field(default=2, ge=1, le=MAX_WORKERS)
+    env_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
+    groups_per_step: int = Field(default=8, ge=1, le=MAX_ITEMS)  # (prompt, effort) groups per training step
+    group_size: int = Field(default=4, ge=2, le=MAX_ITEMS)  # samples per group (GRPO's G)
     temperature: float = Field(default=1.0, gt=0)
     # The learner scores tokens under the full (temperature-scaled) distribution, so a truncated
     # sampler would bias the importance ratio: training samples with top_p = 1 (evaluation may not).
     top_p: float = Field(default=1.0, gt=0, le=1)
-    max_context: int = Field(default=32768, ge=16)  # an episode's tokens, prompt and tool results included
+    # an episode's tokens, prompt and tool results included
+    max_context: int = Field(default=32768, ge=16, le=MAX_TOKENS)
     record_routing: bool = True  # routing replay: the learner reuses the experts chosen while sampling
-    worker_cpus: float = Field(default=0.5, gt=0)
-    max_retries: int = Field(default=3, ge=0)  # re-issues of a group whose worker died or environment raised
+    worker_cpus: float = Field(default=0.5, gt=0, le=MAX_CPUS)
+    max_retries: int = Field(default=3, ge=0, le=1000)  # re-issues of a group whose worker died or environment raised
     # asynchronous training: rollout runs up to this many policy versions ahead of the learner
     # (0: synchronous, every sample from the weights it is trained against)
-    max_staleness: int = Field(default=0, ge=0)
+    max_staleness: int = Field(default=0, ge=0, le=1000)
     drop_uniform_groups: bool = True  # groups whose rewards all agree carry no signal: drop, draw more
-    max_draws_per_step: float = Field(default=4.0, ge=1.0)  # x groups_per_step: cap on drawing replacements
-    groups_per_worker: int = Field(default=8, ge=1)  # groups one worker plays at once (continuous batching)
+    max_draws_per_step: float = Field(default=4.0, ge=1.0, le=1000)  # x groups_per_step: cap on drawing replacements
+    # groups one worker plays at once (continuous batching)
+    groups_per_worker: int = Field(default=8, ge=1, le=MAX_ITEMS)
     # each environment worker's sandboxes: started ahead of demand, so that an episode never waits for
     # one (a group opens all its members' at once, and a cold start takes ~60 ms on an idle CPU, more
     # beside busy engines: the demo's shell episodes waited 5-8 s each to start with 8 warm); None: as
     # many as the rollout plays at once (num_workers x groups_per_worker x group_size over env_workers),
     # at most max_sandboxes, the live sandboxes an environment worker may hold
-    warm_sandboxes: int | None = Field(default=None, ge=0)
-    max_sandboxes: int = Field(default=64, ge=1)
+    warm_sandboxes: int | None = Field(default=None, ge=0, le=MAX_ITEMS)
+    max_sandboxes: int = Field(default=64, ge=1, le=MAX_ITEMS)
     # the native engine's memory: sequences in cache slots (each with its KDA state), latent keys in
     # blocks of the cache shared by all slots. Size the keys by tokens (cache_tokens) or by memory
     # (cache_gib: the slots' state first, then as many blocks as fit; it must hold one max_context
@@ -168,11 +329,12 @@ class RolloutConfig(Section):
     # 0.9) of the memory free once the model is loaded, times the worker's Ray GPU share (colocated
     # workers share 0.5 of the GPU, so they take 0.45 of it in all; two packed workers 0.45 each),
     # never more than max_slots sequences of max_context tokens
-    max_slots: int = Field(default=64, ge=1)
-    cache_tokens: int | None = Field(default=None, ge=64)
-    cache_gib: float | None = Field(default=None, gt=0)
+    max_slots: int = Field(default=64, ge=1, le=MAX_ITEMS)
+    cache_tokens: int | None = Field(default=None, ge=64, le=1 << 36)
+    cache_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)
     gpu_memory_fraction: float | None = Field(default=None, gt=0, le=1)
-    max_batch_tokens: int = Field(default=2048, ge=16)  # prefill tokens per forward (longer inputs in chunks)
+    # prefill tokens per forward (longer inputs in chunks)
+    max_batch_tokens: int = Field(default=2048, ge=16, le=MAX_TOKENS)
     # native engine on a GPU: decode steps at fixed shapes, each captured once as a CUDA graph and replayed
     cuda_graphs: bool = True
     # native engine on a GPU: each step launched before the last one's tokens are read back (the host's
@@ -182,7 +344,7 @@ class RolloutConfig(Section):
     # step instead of a prefill forward of their own (eager on a GPU: ~0.1 s of launches for `small`);
     # meant for CUDA graphs; in configs/gpu_small.yaml's pipeline on an H200, 32 made rollout slower (each
     # result takes a decode step per token; benchmarks/RESULTS.md), so 0 (off)
-    decode_feed_tokens: int = Field(default=0, ge=0)
+    decode_feed_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     # native engine with CUDA graphs (ignored elsewhere): inputs of 2 to this many tokens (tool results)
     # are prefilled by a graph of their padded shape too, instead of an eager forward's launches. In
     # configs/gpu_small.yaml's pipeline on an H200, 64 made rollout 1.28x faster in steps 1-3 (1.59x over
@@ -200,7 +362,8 @@ class RolloutConfig(Section):
     # configs/gpu_small.yaml's pipeline and cost ~35 s of compiling per run; KIMI_FUSED_OPS=0 turns
     # them off in every process
     fused_ops: bool = True
-    sync_bucket_mb: int = Field(default=256, ge=1)  # weight pushes to the native engine go in buckets of this size
+    # weight pushes to the native engine go in buckets of this size
+    sync_bucket_mb: int = Field(default=256, ge=1, le=1 << 20)
     # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
     # classes on the policy's Hugging Face checkpoint; transformers: `generate`, the slow baseline
     engine: Literal["native", "vllm", "transformers"] = "native"
@@ -208,7 +371,7 @@ class RolloutConfig(Section):
     # is the prompt and every turn, tool outputs older than the last `keep_tool_outputs` replaced by a
     # marker (each segment trains on the tokens generated in it; all share the episode's reward)
     context_policy: Literal["none", "elide_tool_outputs"] = "none"
-    keep_tool_outputs: int = Field(default=1, ge=0)
+    keep_tool_outputs: int = Field(default=1, ge=0, le=MAX_ITEMS)
     vllm: VLLMSection = Field(default_factory=lambda: VLLMSection())
 
     @model_validator(mode="after")
@@ -254,9 +417,9 @@ class RolloutConfig(Section):
 
 
 class GraderConfig(Section):
-    num_workers: int = Field(default=1, ge=1)
-    timeout_s: float = Field(default=30.0, gt=0)
-    retries: int = Field(default=1, ge=0)
+    num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
+    timeout_s: float = Field(default=30.0, gt=0, le=24 * 3600)
+    retries: int = Field(default=1, ge=0, le=1000)
 
 
 class OffPolicyConfig(Section):
@@ -283,23 +446,26 @@ class OffPolicyConfig(Section):
         return self
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]  # an Adam moment's decay
+
+
 class TrainConfig(Section):
-    steps: int = Field(default=20, ge=0)
+    steps: int = Field(default=20, ge=0, le=MAX_STEPS)
     lr: float = Field(default=1e-4, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[Beta, Beta] = (0.9, 0.99)
     adam_eps: float = Field(default=1e-8, gt=0)
     grad_clip: float = Field(default=1.0, gt=0)
-    micro_batches: int = Field(default=1, ge=1)
-    eps_low: float = Field(default=0.2, gt=0)
+    micro_batches: int = Field(default=1, ge=1, le=MAX_ITEMS)
+    eps_low: float = Field(default=0.2, gt=0, lt=1)  # the ratio's lower clip 1 - eps_low stays above 0
     eps_high: float = Field(default=0.28, gt=0)  # clip-higher
     dual_clip: float | None = Field(default=3.0, gt=1)  # bound on the ratio when the advantage is negative
     kl_coef: float = Field(default=0.0, ge=0)  # off by default; k3 with the ratio correction when on
     adv_std_norm: Literal["none", "group", "batch"] = "none"
     loss_agg: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
-    threads: int = Field(default=2, ge=1)  # torch threads in the learner (rollouts idle while it trains)
+    threads: int = Field(default=2, ge=1, le=1024)  # torch threads in the learner (rollouts idle while it trains)
     zero_stage: int = Field(default=0, ge=0, le=2)  # ZeRO-3 partitions weights; the push reads whole ones
-    updates_per_step: int = Field(default=1, ge=1)  # optimizer steps per batch (mini-batches of whole groups)
+    updates_per_step: int = Field(default=1, ge=1, le=1024)  # optimizer steps per batch (mini-batches of whole groups)
     # recompute each decoder layer's activations in backward instead of storing them (less memory, ~1 more forward)
     activation_checkpointing: bool = False
     # the learner on a GPU: the fused elementwise chains (rollout.fused_ops). Each compiles on its first
@@ -309,22 +475,22 @@ class TrainConfig(Section):
     fused_ops: bool = True
     # ranks that split each MoE layer's routed experts among them (1: every rank holds all); divides
     # resources.ranks and the model's expert count; needs zero_stage 1 or 2
-    expert_parallel: int = Field(default=1, ge=1)
+    expert_parallel: int = Field(default=1, ge=1, le=MAX_GPUS)
     off_policy: OffPolicyConfig = Field(default_factory=lambda: OffPolicyConfig())
 
 
 class WarmupConfig(Section):
-    steps: int = Field(default=0, ge=0)  # supervised steps on the environments' reference solutions
-    batch_size: int = Field(default=32, ge=1)
+    steps: int = Field(default=0, ge=0, le=MAX_STEPS)  # supervised steps on the environments' reference solutions
+    batch_size: int = Field(default=32, ge=1, le=MAX_ITEMS)
     lr: float = Field(default=3e-3, gt=0)
-    tasks_per_env: int = Field(default=200, ge=1)
+    tasks_per_env: int = Field(default=200, ge=1, le=MAX_ITEMS)
 
 
 class EvalConfig(Section):
-    tasks_per_env: int = Field(default=32, ge=1)
-    efforts: list[str] = Field(default_factory=lambda: list(EFFORT_LEVELS))
+    tasks_per_env: int = Field(default=32, ge=1, le=MAX_ITEMS)
+    efforts: list[str] = Field(default_factory=lambda: list(EFFORT_LEVELS), min_length=1)
     temperature: float = Field(default=0.0, ge=0)  # 0 = greedy
-    samples_per_task: int = Field(default=1, ge=1)  # decoded together, like a GRPO group
+    samples_per_task: int = Field(default=1, ge=1, le=MAX_ITEMS)  # decoded together, like a GRPO group
     before_and_after: bool = True
 
     @field_validator("efforts")
@@ -333,12 +499,14 @@ class EvalConfig(Section):
         for lvl in value:
             if lvl not in EFFORT_LEVELS:
                 raise ValueError(f"unknown effort level {lvl!r}, expected one of {list(EFFORT_LEVELS)}")
+        if len(set(value)) < len(value):
+            raise ValueError("an effort level is listed twice")
         return value
 
 
 class CheckpointConfig(Section):
-    every: int = Field(default=10, ge=1)
-    keep: int = Field(default=2, ge=1)
+    every: int = Field(default=10, ge=1, le=MAX_STEPS)
+    keep: int = Field(default=2, ge=1, le=1000)
 
 
 class LoggingConfig(Section):
@@ -358,18 +526,18 @@ class LoggingConfig(Section):
 
 class GateConfig(Section):
     enabled: bool = True
-    max_tasks: int = Field(default=8, ge=1)
+    max_tasks: int = Field(default=8, ge=1, le=MAX_ITEMS)
     allow_failing: bool = False
 
 
 class RunConfig(Section):
-    name: str = "run"
-    seed: int = 0
-    output_dir: str = "runs"
+    name: str = "run"  # the run folder is output_dir/<name>-<time stamp>
+    seed: int = Field(default=0, ge=0, lt=1 << 32)
+    output_dir: str = Field(default="runs", min_length=1)
     ray: RayConfig = Field(default_factory=RayConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     model: ModelSection = Field(default_factory=ModelSection)
-    envs: list[EnvEntry] = Field(default_factory=list, min_length=1)
+    envs: list[EnvEntry] = Field(default_factory=list, min_length=1, max_length=1000)
     effort: EffortConfig = Field(default_factory=EffortConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     grader: GraderConfig = Field(default_factory=GraderConfig)
@@ -380,6 +548,14 @@ class RunConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     sandbox_backend: Literal["auto", "docker", "process"] = "auto"
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, value: str) -> str:
+        # one folder inside output_dir ('../x' or 'a/b' would leave it), of a length every file system takes
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", value):
+            raise ValueError("a run name is 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return value
 
     @model_validator(mode="after")
     def _engine_serves_the_policy(self) -> "RunConfig":
@@ -416,15 +592,8 @@ class RunConfig(Section):
         """rollout.cache_gib checked now against the preset's shapes, not minutes in when an engine is built."""
         if self.rollout.cache_gib is None or self.rollout.engine != "native":
             return self
-        import torch
-
-        from policy.config import get_config
-        from policy.dtypes import device_precision
-        from rl.rollout.cache_budget import engine_cache_tokens
-
         on_gpu = self.resources.rollout_gpus > 0 or self.resources.colocate
-        dtype = device_precision(torch.device("cuda" if on_gpu else "cpu"))
-        engine_cache_tokens(self.rollout, get_config(self.model.preset, **self.model.overrides), dtype)
+        check_cache_gib(self.rollout, self.model.shapes(), on_gpu)
         return self
 
     @model_validator(mode="after")
@@ -441,69 +610,143 @@ class RunConfig(Section):
         if self.model.hf_path:
             raise ValueError("train.expert_parallel > 1 shards our hybrid's LatentMoE experts; a transformers "
                              "policy (model.hf_path) trains data-parallel only")
-        from policy.config import get_config
-
-        experts = get_config(self.model.preset, **self.model.overrides).num_experts
+        experts = self.model.shapes().num_experts
         if experts % ep:
             raise ValueError(f"train.expert_parallel={ep} must divide the model's {experts} routed experts")
         return self
 
     @model_validator(mode="after")
     def _unique_envs(self) -> "RunConfig":
-        names = [e.name for e in self.envs]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"environment {sorted(dup)[0]!r} is listed twice")
+        seen: set[str] = set()
+        for entry in self.envs:
+            if entry.name in seen:
+                raise ValueError(f"environment {entry.name!r} is listed twice")
+            seen.add(entry.name)
         return self
 
 
 def _describe(error: dict[str, Any]) -> str:
-    path = ".".join(str(p) for p in error["loc"]) or "<root>"
+    path = ".".join(_clip(str(p)) for p in error["loc"]) or "<root>"
     kind = error["type"]
     if kind == "extra_forbidden":
         return f"config error: unknown key '{path}'"
     if kind == "missing":
         return f"config error: '{path}' is required"
     got = error.get("input")
-    got_text = f", got {got!r}" if not isinstance(got, dict) and got is not None else ""
+    got_text = f", got {_short(got)}" if not isinstance(got, dict) and got is not None else ""
     message = error["msg"].removeprefix("Value error, ").rstrip(".")
     return f"config error: '{path}': {message}{got_text}"
 
 
+class _TooLarge(Exception):
+    """A YAML document past MAX_DEPTH or MAX_NODES (no YAMLError: an override's value is not then taken as text)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a document nested deeper than MAX_DEPTH, or of more than MAX_NODES
+    values once every alias is expanded, before constructing it. PyYAML composes recursively (a few
+    hundred levels overflow the stack), and an alias is shared, not copied, until something walks the
+    tree (validation, the dump of config.yaml): a few lines of anchors can stand for billions of values."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _TooLarge(f"is nested deeper than {MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_document(self, node: Any) -> Any:
+        _measure(node)
+        return super().construct_document(node)
+
+
+def _children(node: Any) -> list[Any]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return node.value if isinstance(node, yaml.SequenceNode) else []
+
+
+def _measure(root: Any) -> None:
+    """Raise _TooLarge where the composed document `root`, every alias expanded, holds more than MAX_NODES
+    values or nests deeper than MAX_DEPTH, or where an alias refers to a node that contains it. Each node
+    is measured once (a depth-first walk without recursion), so the expansion is counted, never made."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    walking: set[int] = set()  # entered, not yet measured: what is popped meanwhile lies inside it
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, inside_done = stack.pop()
+        key = id(node)
+        if inside_done:
+            kids = _children(node)
+            size[key] = 1 + sum(size[id(k)] for k in kids)
+            depth[key] = 1 + max((depth[id(k)] for k in kids), default=0)
+            walking.discard(key)
+            if size[key] > MAX_NODES:
+                raise _TooLarge(f"holds more than {MAX_NODES:,} values once its aliases are expanded")
+            if depth[key] > MAX_DEPTH:
+                raise _TooLarge(f"is nested deeper than {MAX_DEPTH} levels once its aliases are expanded")
+        elif key in walking:
+            raise _TooLarge("holds an alias to a node that contains it")
+        elif key not in size:
+            walking.add(key)
+            stack.append((node, True))
+            stack.extend((k, False) for k in _children(node))
+
+
+def _load_yaml(text: str) -> Any:
+    """YAML text as plain data. Raises _TooLarge, yaml.YAMLError, or ValueError / OverflowError (an integer
+    past Python's 4300 digits, a date such as 2024-13-45)."""
+    return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader
+
+
+def _index(key: str, node: list[Any]) -> int | None:
+    return int(key) if key.isascii() and key.isdigit() and len(key) < 10 and int(key) < len(node) else None
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
+    if len(keys) > MAX_DEPTH:
+        raise ConfigError(f"config error: override key {_clip(dotted)!r} is nested deeper than {MAX_DEPTH} levels")
     node: Any = tree
-    for i, key in enumerate(keys[:-1]):
+    for i, key in enumerate(keys):
+        where = ".".join(keys[: i + 1])
         if isinstance(node, list):
-            if not key.isdigit() or int(key) >= len(node):
-                raise ConfigError(f"config error: '{'.'.join(keys[: i + 1])}' is not an index of the list")
-            node = node[int(key)]
-            continue
-        nxt = node.setdefault(key, {})
+            index = _index(key, node)
+            if index is None:
+                raise ConfigError(f"config error: '{_clip(where)}' is not an index of the list")
+            if i == len(keys) - 1:
+                node[index] = value
+                return
+            nxt = node[index]
+        elif i == len(keys) - 1:
+            node[key] = value
+            return
+        else:
+            nxt = node.setdefault(key, {})
         if not isinstance(nxt, (dict, list)):
-            raise ConfigError(f"config error: '{'.'.join(keys[: i + 1])}' is a value, not a section")
+            raise ConfigError(f"config error: '{_clip(where)}' is a value, not a section")
         node = nxt
-    last = keys[-1]
-    if isinstance(node, list):
-        if not last.isdigit() or int(last) >= len(node):
-            raise ConfigError(f"config error: '{dotted}' is not an index of the list")
-        node[int(last)] = value
-    else:
-        node[last] = value
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b.c=value` overrides; values are parsed as YAML (so 3, 1e-4, true, [a, b] work)."""
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"config error: override {item!r} is not of the form key=value")
+            raise ConfigError(f"config error: override {_short(item)} is not of the form key=value")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key:
-            raise ConfigError(f"config error: override {item!r} has an empty key")
+            raise ConfigError(f"config error: override {_short(item)} has an empty key")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
+            value = _load_yaml(raw) if raw != "" else ""
+        except _TooLarge as exc:
+            raise ConfigError(f"config error: the value of override '{_clip(key)}' {exc}") from None
+        except (yaml.YAMLError, ValueError, OverflowError):  # not YAML, or a number too long: the text itself
             value = raw
         _set_dotted(tree, key, value)
     return tree
@@ -517,18 +760,39 @@ def validate(tree: dict[str, Any]) -> RunConfig:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """The run config of a YAML file and dotted overrides; any problem is one ConfigError line."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config error: no such file {str(path)!r}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config error: cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config error: {path} is {len(data):,} bytes; a run config is at most {MAX_CONFIG_BYTES:,}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config error: {path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+                          f"{exc.start})") from None
+    try:
+        tree = _load_yaml(text)
+    except _TooLarge as exc:
+        raise ConfigError(f"config error: {path} {exc}") from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
+        mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"config error: {path} is not valid YAML{where}") from None
+        raise ConfigError(f"config error: {path} is not valid YAML{where}{f': {problem}' if problem else ''}") from None
+    except (ValueError, OverflowError) as exc:
+        raise ConfigError(f"config error: {path} holds a value YAML cannot read: {exc}") from None
+    if tree is None:
+        raise ConfigError(f"config error: {path} is empty; a run config lists at least its envs")
     if not isinstance(tree, dict):
         raise ConfigError(f"config error: {path} must hold a mapping at the top level")
-    return validate(apply_overrides(tree, overrides or []))
+    apply_overrides(tree, overrides or [])
+    if "envs" not in tree:  # validate() takes partial trees (tests, tools); a run needs its environments
+        raise ConfigError("config error: 'envs' is required: list the environments to train on")
+    return validate(tree)
 
 
 def dump_config(config: RunConfig, path: Path) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from envs.registry import EnvRegistryError, check_names
+from envs.registry import EnvRegistryError, check_kwargs, check_names
 from rl.cluster import RunActors, env_kwargs, model_spec, start_env_side, start_policy_side, start_ray
 from rl.config import ConfigError, RunConfig, dump_config, load_config
 from rl.errors import RunRefused
@@ -441,8 +441,22 @@ class _EnginePace:
         return out
 
 
+def _check_environments(cfg: RunConfig) -> None:
+    """Each environment is registered, its class loads and its constructor takes the entry's kwargs: one
+    line naming the entry, before anything starts."""
+    try:  # a misspelt name, or a class that no longer imports
+        check_names([e.name for e in cfg.envs])
+    except EnvRegistryError as exc:
+        raise ConfigError(f"config error: {exc}") from None
+    for i, entry in enumerate(cfg.envs):
+        try:
+            check_kwargs(entry.name, env_kwargs(cfg, entry.name))
+        except EnvRegistryError as exc:
+            raise ConfigError(f"config error: 'envs.{i}.kwargs': {exc}") from None
+
+
 def train(config_path: str | None, overrides: list[str], resume: str | None = None, console=None) -> dict[str, Any]:
-    """Entry point shared by the CLI and tests."""
+    """Entry point shared by the CLI and tests: the config and its environments are checked before Ray starts."""
     if resume:
         run_dir = Path(resume)
         saved = run_dir / "config.yaml"
@@ -456,11 +470,13 @@ def train(config_path: str | None, overrides: list[str], resume: str | None = No
         if cfg.model.hf_path and not (Path(cfg.model.hf_path) / "config.json").exists():
             raise RunRefused(f"model.hf_path: no config.json in {cfg.model.hf_path} "
                              f"(for SmolLM2, convert it once: rl model import smollm2)")
-        try:  # a misspelt name, or a class that no longer imports: one line, before anything starts
-            check_names([e.name for e in cfg.envs])
-        except EnvRegistryError as exc:
-            raise ConfigError(f"config error: {exc}") from None
-        run_dir = new_run_dir(cfg)
+    _check_environments(cfg)  # a resumed run's too: the registry may have changed since
+    if not resume:
+        try:
+            run_dir = new_run_dir(cfg)
+        except OSError as exc:
+            raise ConfigError(f"config error: 'output_dir': cannot make a run folder in {cfg.output_dir}: "
+                              f"{exc.strerror or exc}") from None
     dump_config(cfg, run_dir / "config.yaml")
     if console is not None:
         console.print(f"run folder: {run_dir}")

@@ -4,19 +4,29 @@ many whole blocks as fit a memory budget beside every slot's fixed KDA state. Th
 free once the engine's model is loaded (times this worker's share of the GPU), but no more than
 `max_slots` sequences of `max_context` tokens.
 
-Checked twice with the same arithmetic: when the run config is validated (the preset's shapes, the
-precision its placement implies) and when the engine is built (the model it holds, the free memory)."""
+Checked twice with the same arithmetic: when the run config is validated (`check_cache_gib`: the
+preset's shapes, the precision its placement implies) and when the engine is built (the model it
+holds, the free memory). This module reads the rollout settings it is handed and imports nothing of
+rl.config, which imports it."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from policy.config import ModelConfig
+from policy.dtypes import device_precision
 from policy.slot_cache import BLOCK_SIZE, SlotCache
 
-if TYPE_CHECKING:  # rl.config checks a budget with this module
-    from rl.config import RolloutConfig
+
+class CacheSettings(Protocol):
+    """What the budget reads of rl.config.RolloutConfig."""
+
+    max_slots: int
+    max_context: int
+    cache_tokens: int | None
+    cache_gib: float | None
+    gpu_memory_fraction: float | None
 
 DEFAULT_CACHE_TOKENS = 131072  # on a CPU, neither cache_tokens nor cache_gib given
 # on a GPU, neither given: the share of the free memory the engines of a whole GPU may fill (vLLM's
@@ -48,7 +58,13 @@ def gpu_cache_bytes(free_bytes: int, fraction: float, gpu_share: float) -> int:
     return int(free_bytes * fraction * min(gpu_share, 1.0))
 
 
-def engine_cache_tokens(cfg: RolloutConfig, model: ModelConfig, dtype: torch.dtype, block_size: int = BLOCK_SIZE,
+def check_cache_gib(cfg: CacheSettings, model: ModelConfig, on_gpu: bool) -> None:
+    """The run config's check of rollout.cache_gib (a ValueError naming the numbers): it holds the slots and one
+    max_context sequence for `model`, in the precision the engine runs in on a GPU or a CPU."""
+    engine_cache_tokens(cfg, model, device_precision(torch.device("cuda" if on_gpu else "cpu")))
+
+
+def engine_cache_tokens(cfg: CacheSettings, model: ModelConfig, dtype: torch.dtype, block_size: int = BLOCK_SIZE,
                         gpu: tuple[int, float] | None = None) -> int:
     """`gpu`: (free bytes, this worker's GPU share) for an engine on a GPU, None on a CPU."""
     slot, token = SlotCache.bytes_per_slot(model, dtype), SlotCache.bytes_per_token(model, dtype)
