@@ -1,5 +1,6 @@
-"""What SECURITY.md promises of every backend: nothing of the owner's environment inside, bounded
-shared memory, no privileges to regain, a state dir no other user can plant things in."""
+"""Promises of SECURITY.md that tests elsewhere do not hold: nothing of the owner's environment inside,
+an agent out of the sandbox's reach, bounded /dev/shm and logs, no privileges to regain, memory in
+files and CPU within the limits, safe downloads, a state dir no other user can plant things in."""
 from __future__ import annotations
 
 import json
