@@ -287,7 +287,9 @@ OVERRIDES = st.lists(st.builds(_override, KEY, VALUES, st.none() | st.sampled_fr
                      max_size=4)
 
 
-@settings(max_examples=300, deadline=2000, database=None,
+# the deadline bounds a slow example (they take milliseconds; a loaded machine must not make it flaky),
+# the thread's join a hung one
+@settings(max_examples=300, deadline=5000, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=config_files(), overrides=OVERRIDES)
 def test_fuzz_load_config_returns_a_config_or_one_line(tmp_path, data, overrides):
