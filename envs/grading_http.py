@@ -248,7 +248,8 @@ class GradeServer:
                     raise RequestError(400, f"Content-Length must be a whole number of bytes, got {length[:40]!r}")
                 size = int(length)
                 if not 1 <= size <= server.max_body:
-                    raise RequestError(413 if size else 400, f"body size must be 1..{server.max_body} bytes, got {size}")
+                    raise RequestError(413 if size else 400,
+                                       f"body size must be 1..{server.max_body} bytes, got {size}")
                 try:
                     data = self.rfile.read(size)
                 except TimeoutError:  # a pause longer than the socket's timeout

@@ -376,12 +376,33 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = N
         tokenizer.save(d)
 
 
+def check_safetensors(path: Path) -> None:
+    """Refuse, with one ValueError line naming the file, a .safetensors file that is cut short or
+    whose header is not one: what a copy or a save interrupted midway leaves behind."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < header_len <= size - 8 or header_len > 100 << 20:
+            raise ValueError(f"checkpoint file {path} is not a whole safetensors file ({size} bytes)")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+        raise ValueError(f"checkpoint file {path} has no readable safetensors header") from None
+    if 8 + header_len + end != size:
+        raise ValueError(f"checkpoint file {path} is cut short: {size} bytes, its header promises "
+                         f"{8 + header_len + end}")
+
+
 def _read_tensors(d: Path) -> dict[str, torch.Tensor]:
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"from_pretrained: no .safetensors files in {d}")
     out: dict[str, torch.Tensor] = {}
     for f in files:
+        check_safetensors(f)
         with safe_open(str(f), framework="pt") as s:
             for k in s.keys():
                 out[k] = s.get_tensor(k)

@@ -10,17 +10,41 @@ from rl.cluster import start_env_side, start_policy_side, start_ray
 from rl.config import load_config
 from rl.evaluation import eval_table, summarise_eval
 from rl.errors import RunRefused
+from rl.integrity import verify_manifest
+from rl.run_folder import is_checkpoint_dir
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """Accept a save_pretrained folder or a training checkpoint folder (which holds one in hf/)."""
+    """Accept a save_pretrained folder or a training checkpoint folder (which holds one in hf/),
+    if it is whole: see check_whole."""
     root = Path(path)
     for candidate in (root, root / "hf"):
         if (candidate / "config.json").exists():
             if not (candidate / "tokenizer").exists():
                 raise RunRefused(f"--checkpoint: {candidate} has no tokenizer/ folder")
+            check_whole(candidate)
             return candidate
     raise RunRefused(f"--checkpoint: no config.json in {root} or {root / 'hf'}")
+
+
+def check_whole(model_dir: Path) -> None:
+    """Refuse, in one line, a policy folder whose weights are torn: a training checkpoint (the folder
+    is its hf/) must match its manifest, and every safetensors file must be whole."""
+    from policy.checkpoint import check_safetensors
+
+    checkpoint = model_dir.resolve().parent
+    if model_dir.name == "hf" and is_checkpoint_dir(checkpoint):
+        problem = verify_manifest(checkpoint)
+        if problem is not None:
+            raise RunRefused(f"--checkpoint: {checkpoint} is torn: {problem}")
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights:
+        raise RunRefused(f"--checkpoint: no .safetensors files in {model_dir}")
+    for f in weights:
+        try:
+            check_safetensors(f)
+        except ValueError as exc:
+            raise RunRefused(f"--checkpoint: {exc}") from None
 
 
 def evaluate_checkpoint(config_path: str, checkpoint: str, overrides: list[str], console=None,
@@ -43,6 +67,8 @@ def evaluate_checkpoint(config_path: str, checkpoint: str, overrides: list[str],
         e = cfg.eval
         samples = ray.get(actors.scheduler.evaluate.remote([x.name for x in cfg.envs], e.efforts, e.tasks_per_env,
                                                            e.samples_per_task, e.temperature, "eval"))
+        if not samples:  # an empty table would read as a result
+            raise RunRefused(f"--checkpoint: evaluating {checkpoint} produced no episodes; there is nothing to report")
         summary = summarise_eval(samples)
         out = Path(output) if output else model_dir / "eval.json"
         out.write_text(json.dumps(summary, indent=1))

@@ -3,14 +3,20 @@ resumed run reads as one unbroken run (no step logged twice)."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
 from rl.config import RunConfig
+from rl.errors import RunRefused
+from rl.integrity import read_jsonl, verify_manifest
 
 CHECKPOINTS = "checkpoints"
 STEP_LOGS = ("metrics.jsonl", "rollouts.jsonl", "moe_load.jsonl")  # one or more lines per step
+
+log = logging.getLogger(__name__)
 
 
 def new_run_dir(cfg: RunConfig) -> Path:
@@ -25,11 +31,43 @@ def new_run_dir(cfg: RunConfig) -> Path:
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[str, int] | None:
-    marker = run_dir / CHECKPOINTS / "latest"
-    if not marker.exists():
-        return None
-    tag = marker.read_text().strip()
-    return tag, int(tag.split("_")[1])
+    """The newest whole checkpoint (its manifest verifies) as (tag, step); None when there is none."""
+    return _whole_checkpoint(run_dir)[0]
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """A training checkpoint: RUN/checkpoints/step_N."""
+    return path.parent.name == CHECKPOINTS and re.fullmatch(r"step_[0-9]+", path.name) is not None
+
+
+def checkpoint_to_resume(run_dir: Path) -> tuple[tuple[str, int] | None, str | None]:
+    """(the newest whole checkpoint, one line naming the newer ones passed over and why, or None).
+    Refuses a run whose checkpoints are all torn: starting it again from scratch is the user's call."""
+    found, passed_over = _whole_checkpoint(run_dir)
+    if found is None and passed_over:
+        raise RunRefused(f"cannot resume {run_dir}: no checkpoint is whole ({'; '.join(passed_over)}); "
+                         f"remove {run_dir / CHECKPOINTS} to train this run again from the start")
+    if not passed_over:
+        return found, None
+    return found, f"{'; '.join(passed_over)}: resuming from {found[0]}, the newest whole checkpoint"
+
+
+def _whole_checkpoint(run_dir: Path) -> tuple[tuple[str, int] | None, list[str]]:
+    """(newest checkpoint whose manifest verifies, a line for each newer one or a `latest` marker
+    naming what is not there). Steps come from the folder names; `latest` only names the newest."""
+    root = run_dir / CHECKPOINTS
+    steps = sorted((int(p.name[5:]), p.name) for p in root.glob("step_*") if p.is_dir() and is_checkpoint_dir(p))
+    passed_over = []
+    marker = root / "latest"
+    named = marker.read_text(errors="replace").strip() if marker.is_file() else None
+    if named is not None and named not in {tag for _, tag in steps}:
+        passed_over.append(f"{CHECKPOINTS}/latest names {named[:40]!r}, which is not there")
+    for step, tag in reversed(steps):
+        problem = verify_manifest(root / tag)
+        if problem is None:
+            return (tag, step), passed_over
+        passed_over.append(f"{tag} is torn ({problem})")
+    return None, passed_over
 
 
 def append_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
@@ -39,18 +77,29 @@ def append_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
 
 
 def rewind_step_logs(run_dir: Path, last_step: int) -> int:
-    """Drop the lines of steps after `last_step` (written after the checkpoint a run resumes from;
-    they are about to be written again). Warm-up lines (negative steps) stay. Returns lines dropped."""
+    """Drop the records of steps after `last_step` (written after the checkpoint a run resumes from;
+    they are about to be written again). Warm-up records (negative steps) stay. A torn last line or
+    a line that is not a record is dropped with a warning. Returns the records dropped."""
     dropped = 0
     for name in STEP_LOGS:
         path = run_dir / name
         if not path.exists():
             continue
-        lines = path.read_text().splitlines()
-        keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
-        dropped += len(lines) - len(keep)
-        path.write_text("".join(line + "\n" for line in keep))
+        records = read_jsonl(path, log.warning)
+        keep = [r for r in records if _step_of(r, name) is not None and r["step"] <= last_step]
+        dropped += len(records) - len(keep)
+        tmp = path.with_name(f".{path.name}.rewind")
+        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in keep))
+        tmp.replace(path)  # atomic: a crash here leaves the old file whole, not half of the new one
     return dropped
+
+
+def _step_of(record: dict[str, Any], file: str) -> int | None:
+    step = record.get("step")
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    log.warning(f"{file}: a record without an integer 'step'; dropped")
+    return None
 
 
 def read_json(path: Path) -> Any:

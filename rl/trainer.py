@@ -132,13 +132,18 @@ class Trainer:
         return summary
 
     def _save(self, step: int) -> None:
+        from rl.integrity import MANIFEST, write_manifest
+
         ckpt_root = self.run_dir / CHECKPOINTS
         tag = f"step_{step}"
+        # a step saved again is not whole until its new manifest is written
+        (ckpt_root / tag / MANIFEST).unlink(missing_ok=True)
         self.actors.learner.save(str(ckpt_root), tag, {"step": step})
         shutil.copytree(self.run_dir / "tokenizer", ckpt_root / tag / "hf" / "tokenizer", dirs_exist_ok=True)
         # the stream's position and the groups issued but not trained on: a resumed run plays them again
         snapshot = ray.get(self.actors.scheduler.snapshot.remote())
         (ckpt_root / tag / "scheduler.json").write_text(json.dumps(snapshot))
+        write_manifest(ckpt_root / tag)  # last: every file of the checkpoint is on disk
         (ckpt_root / "latest").write_text(tag)
         tags = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
         for old in tags[: -self.cfg.checkpoint.keep]:
@@ -146,7 +151,11 @@ class Trainer:
 
     def _restore(self) -> tuple[int, dict[str, Any]] | None:
         """Load the newest checkpoint of a resumed run: (first step to run, scheduler snapshot)."""
-        found = latest_checkpoint(self.run_dir) if self.resume else None
+        from rl.run_folder import checkpoint_to_resume
+
+        found, passed_over = checkpoint_to_resume(self.run_dir) if self.resume else (None, None)
+        if passed_over:
+            self.say(passed_over)
         if not found:
             return None
         tag, step = found

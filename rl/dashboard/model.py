@@ -1,6 +1,7 @@
 """One run's data as the dashboard and the report see it, refreshed from its run folder."""
 from __future__ import annotations
 
+import math
 import re
 from collections import deque
 from pathlib import Path
@@ -18,6 +19,19 @@ def part_order(part: str) -> tuple[int, int, str]:
     return effort_order(part), int(part) if part.isdigit() else -1, part
 
 
+def is_step(value: Any) -> bool:
+    """An integer a run could have reached (charts draw steps as floats)."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**53
+
+
+def _number(value: int | float) -> float:
+    """A metric as a float; an integer too large for one is shown as infinite rather than lost."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 class MetricTable:
     """Scalar metrics by step. A step logged again (a resumed run repeating the steps after its
     last checkpoint) replaces the earlier record and everything logged after it."""
@@ -29,7 +43,7 @@ class MetricTable:
     def add(self, step: int, record: dict[str, Any]) -> None:
         if self.rows and step <= max(self.rows):
             self.rows = {s: r for s, r in self.rows.items() if s < step}
-        self.rows[step] = {k: float(v) for k, v in record.items()
+        self.rows[step] = {k: _number(v) for k, v in record.items()
                            if k != "step" and isinstance(v, (int, float))}
         self._columns = None
 
@@ -83,10 +97,12 @@ class MoeLoad:
 
     def add(self, record: dict[str, Any]) -> str | None:
         try:
-            step, layers, load = int(record["step"]), [int(x) for x in record["layers"]], record["load"]
+            step, layers, load = record["step"], [int(x) for x in record["layers"]], record["load"]
             rows = [[float(v) for v in row] for row in load]
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return "moe_load.jsonl: a line lacks step / layers / load; skipped"
+        if not is_step(step):
+            return "moe_load.jsonl: a line has no integer 'step'; skipped"
         if len(rows) != len(layers):
             return f"moe_load.jsonl: step {step} has {len(layers)} layers but {len(rows)} load rows; skipped"
         for later in [s for s in self.imbalance if s >= step]:
@@ -124,7 +140,8 @@ class RunData:
         self._moe = JsonlTail(self.path / "moe_load.jsonl")
         self._rollouts = JsonlTail(self.path / "rollouts.jsonl", start_from_end=ROLLOUTS_TAIL_BYTES)
 
-    def refresh(self) -> bool:
+    def refresh(self, final: bool = False) -> bool:
+        """`final`: the run has ended (a report), so a last line still unfinished is a torn one."""
         changed = False
         for attr, watched in self._files.items():
             file_changed, value, problem = watched.read()
@@ -134,13 +151,13 @@ class RunData:
                 empty: Any = {} if attr in ("config", "gate") else None
                 setattr(self, attr, value if isinstance(value, dict) else empty)
                 changed = True
-        changed |= self._tail(self._metrics, self._add_metrics, lambda: (self.grpo.clear(), self.warmup.clear()))
-        changed |= self._tail(self._moe, self._add_moe, self.moe.clear)
-        changed |= self._tail(self._rollouts, self.samples.append, self.samples.clear)
+        changed |= self._tail(self._metrics, self._add_metrics, self._clear_metrics, final)
+        changed |= self._tail(self._moe, self._add_moe, self.moe.clear, final)
+        changed |= self._tail(self._rollouts, self._add_sample, self.samples.clear, final)
         return changed
 
-    def _tail(self, tail: JsonlTail, add, clear) -> bool:
-        records, replaced, problems = tail.read()
+    def _tail(self, tail: JsonlTail, add, clear, final: bool) -> bool:
+        records, replaced, problems = tail.read(final)
         for problem in problems:
             self._problem(problem)
         if replaced:
@@ -151,10 +168,20 @@ class RunData:
 
     def _add_metrics(self, record: dict[str, Any]) -> None:
         step = record.get("step")
-        if not isinstance(step, int):
+        if not is_step(step):
             self._problem("metrics.jsonl: a line has no integer 'step'; skipped")
             return
         (self.warmup if step < 0 else self.grpo).add(step, record)
+
+    def _clear_metrics(self) -> None:
+        self.grpo.clear()
+        self.warmup.clear()
+
+    def _add_sample(self, record: dict[str, Any]) -> None:
+        if not isinstance(record.get("transcript", []), list):
+            self._problem("rollouts.jsonl: a sample's transcript is not a list of messages; skipped")
+            return
+        self.samples.append(record)
 
     def _add_moe(self, record: dict[str, Any]) -> None:
         problem = self.moe.add(record)

@@ -2,6 +2,7 @@
 summary a user pastes into a write-up: config, quality gate, before/after tables, curves."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -23,6 +24,9 @@ SUMMARY_METRICS = [("reward", "rollout/reward"), ("pass rate", "rollout/pass_rat
                    ("step seconds", "time/step_s")]
 
 
+log = logging.getLogger(__name__)
+
+
 class ReportError(ValueError):
     """A run folder the report cannot be written for, as one line."""
 
@@ -32,7 +36,9 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     if not is_run_folder(run_dir):
         raise ReportError(f"{run_dir} is not a run folder (no config.yaml or metrics.jsonl)")
     run = RunData(run_dir)
-    run.refresh()
+    run.refresh(final=True)
+    for problem in run.problems:  # also listed in the report; said here so no reader misses one
+        log.warning(problem)
     out_dir = out_dir or run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# Run report: {run.name}", "",

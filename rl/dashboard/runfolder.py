@@ -4,19 +4,26 @@ is reported as a problem and never stops the reader."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
+from rl.integrity import parse_record
+
 # rollouts.jsonl holds whole transcripts and grows fastest: a reader opening a long run starts
 # this far from its end (only the recent samples are shown anyway).
 ROLLOUTS_TAIL_BYTES = 32 << 20
+# The trainer writes a line in one go: a last line still without its newline this long after the
+# file last changed is a write the run did not finish (it was killed), not one in progress.
+TORN_AFTER_S = 10.0
 
 
 class JsonlTail:
     """The records appended to a JSONL file since the last `read()`; a line without its newline
-    yet is left for the next call."""
+    yet is left for the next call, and reported as torn once the file has stopped changing (or at
+    once, for a `final` read)."""
 
     def __init__(self, path: Path, start_from_end: int | None = None) -> None:
         self.path = path
@@ -24,8 +31,9 @@ class JsonlTail:
         self.start_from_end = start_from_end
         self._identity: tuple[int, int] | None = None
 
-    def read(self) -> tuple[list[dict[str, Any]], bool, list[str]]:
-        """(new records, whether the file was replaced so earlier records are void, problems)."""
+    def read(self, final: bool = False) -> tuple[list[dict[str, Any]], bool, list[str]]:
+        """(new records, whether the file was replaced so earlier records are void, problems).
+        `final`: nothing more will be written (a report of a run), so an unfinished line is torn."""
         try:
             stat = self.path.stat()
         except FileNotFoundError:
@@ -51,15 +59,20 @@ class JsonlTail:
             start, position = position, position + len(line) + 1
             if (i == 0 and skip_partial) or not line.strip():  # started mid-file: the first line is a fragment
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                problems.append(f"{self.path.name}: the line at byte {start} is not JSON; skipped")
-                continue
-            if isinstance(record, dict):
-                records.append(record)
+            record, problem = parse_record(line)
+            if record is None:
+                problems.append(f"{self.path.name}: the line at byte {start} {problem}; skipped")
             else:
-                problems.append(f"{self.path.name}: the line at byte {start} is not a JSON object; skipped")
+                records.append(record)
+        fragment = data[end:]
+        if fragment.strip() and (final or time.time() - stat.st_mtime > TORN_AFTER_S):
+            record, _ = parse_record(fragment)
+            if record is not None:  # whole but for its newline
+                records.append(record)
+                self.offset += len(fragment)
+            else:
+                problems.append(f"{self.path.name}: the last line (at byte {self.offset}) is cut off, a write "
+                                f"the run did not finish; ignored")
         return records, replaced, problems
 
 
@@ -85,7 +98,7 @@ class WatchedFile:
             return False, None, None
         try:
             value = self.parse(self.path.read_text())
-        except (ValueError, yaml.YAMLError) as exc:
+        except (ValueError, RecursionError, yaml.YAMLError) as exc:
             return False, None, f"{self.path.name}: cannot be parsed ({type(exc).__name__}); showing the last good copy"
         self._seen = seen
         return True, value, None
