@@ -21,11 +21,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .fusion import fused_on_cuda
+from .varlen import check_cu_seqlens, segment_starts
 
 __all__ = ["kda_chunk", "kda_recurrent", "kda", "kda_in_slots", "kda_gate", "fla_available", "set_kda_backend",
            "kda_backend"]
@@ -114,10 +116,14 @@ def kda_recurrent(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Token-by-token KDA (the oracle; also the 1-token decode step). Same contract as kda_chunk."""
     B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state)
+    _check_packed(cu_seqlens, B, T, initial_state, output_final_state)
     cd = _compute_dtype(q, k, v, g, beta, initial_state)
+    # a packed row: the state starts from zero at every sequence's first token
+    keep = None if cu_seqlens is None else (~segment_starts(cu_seqlens, T)).to(cd)
     qh, kh, vh, gh, bh = _prepare(q, k, v, g, beta, scale, cd)
     S = (
         q.new_zeros(B, HV, K, V, dtype=cd)
@@ -127,6 +133,8 @@ def kda_recurrent(
     outs = []
     for t in range(T):
         kt = kh[:, :, t]  # [B, HV, K]
+        if keep is not None:
+            S = S * keep[t]
         S = S * gh[:, :, t].exp().unsqueeze(-1)
         pred = torch.einsum("bhk,bhkv->bhv", kt, S)
         delta = bh[:, :, t, None] * (vh[:, :, t] - pred)
@@ -135,6 +143,39 @@ def kda_recurrent(
     o = torch.stack(outs, dim=1) if T > 0 else v.new_zeros(B, 0, HV, V, dtype=cd)
     final = S.to(_state_dtype(cd)) if output_final_state else None
     return o.to(v.dtype), final
+
+
+# -------------------------------------------------------------------------- packed rows
+def _check_packed(cu_seqlens: Tensor | None, B: int, T: int, initial_state: Tensor | None,
+                  output_final_state: bool) -> None:
+    if cu_seqlens is None:
+        return
+    check_cu_seqlens(cu_seqlens, B, T, "kda")
+    if initial_state is not None or output_final_state:
+        raise ValueError("kda: a packed row (cu_seqlens) starts every sequence from zero and returns no "
+                         "final state (a training forward); initial_state / output_final_state need B rows")
+
+
+class _ChunkMasks(NamedTuple):
+    """Where a packed row's boundaries cut its chunks (each [1, 1, N, C, ...], float 0/1)."""
+
+    same: Tensor  # [.., C, C] pairs (r, c) of one sequence
+    carried: Tensor  # [.., C, 1] tokens of the sequence the chunk's entering state belongs to
+    in_last: Tensor  # [.., C, 1] tokens of the sequence the chunk's leaving state belongs to
+    passes_on: Tensor  # [.., 1, 1] the entering state reaches the leaving one (no boundary inside)
+
+
+def _chunk_masks(cu_seqlens: Tensor, N: int, C: int, dtype: torch.dtype) -> _ChunkMasks:
+    T = int(cu_seqlens[-1])
+    starts = F.pad(segment_starts(cu_seqlens, T), (0, N * C - T)).reshape(N, C).long()
+    starts[0, 0] = 0  # the row's first sequence starts from the (zero) initial state: nothing to cut
+    seq = starts.cumsum(-1)  # which sequence of the chunk each token is in, 0 = the one carried in
+    same = seq[:, :, None] == seq[:, None, :]
+    carried = seq == 0
+    in_last = seq == seq[:, -1:]
+    passes_on = carried[:, -1]
+    f = lambda x: x.to(dtype)[None, None]  # noqa: E731
+    return _ChunkMasks(f(same), f(carried)[..., None], f(in_last)[..., None], f(passes_on)[..., None, None])
 
 
 # -------------------------------------------------------------------------- chunked
@@ -201,14 +242,18 @@ def kda_chunk(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked KDA in PyTorch (training path; plain autograd).
 
     Returns o [B, T, HV, V] in v's dtype and, if output_final_state, the state
     [B, HV, K, V] (float32; float64 when computing in float64), else None.
     Intra-chunk work is batched over all chunks; only the state recursion loops.
+    cu_seqlens [N+1]: a packed row (B = 1) of N sequences, each starting from a zero state
+    (kimi_kernels/varlen.py); chunks may straddle boundaries, masks keep the sequences apart.
     """
     B, T, H, K, HV, V = _check_inputs(q, k, v, g, beta, initial_state)
+    _check_packed(cu_seqlens, B, T, initial_state, output_final_state)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"kda_chunk: chunk_size must be a positive int, got {chunk_size!r}")
     cd = _compute_dtype(q, k, v, g, beta, initial_state)
@@ -235,13 +280,20 @@ def kda_chunk(
     a_qk, a_kk = _intra_chunk_grams(qc, kc, gam, _SUB)
 
     # WY form: (I + diag(beta) A_kk) [W | U] = diag(beta) [exp(gam) * K | V].
-    rhs = bc * torch.cat((kc * gam.exp(), vc), dim=-1)
-    sol = torch.linalg.solve_triangular(bc * a_kk, rhs, upper=False, unitriangular=True)
-    w, u = sol[..., :K], sol[..., K:]
-
+    k_decayed = kc * gam.exp()
     g_last = gam[..., -1:, :]  # [B, HV, N, 1, K]
     k_to_end = kc * (g_last - gam).exp()  # key weights for the end-of-chunk state
     chunk_decay = g_last.squeeze(-2).exp().unsqueeze(-1)  # [B, HV, N, K, 1]
+    reads_state = None
+    if cu_seqlens is not None:
+        m = _chunk_masks(cu_seqlens, N, C, cd)
+        a_qk, a_kk = a_qk * m.same, a_kk * m.same
+        k_decayed, k_to_end = k_decayed * m.carried, k_to_end * m.in_last
+        chunk_decay = chunk_decay * m.passes_on
+        reads_state = m.carried
+    rhs = bc * torch.cat((k_decayed, vc), dim=-1)
+    sol = torch.linalg.solve_triangular(bc * a_kk, rhs, upper=False, unitriangular=True)
+    w, u = sol[..., :K], sol[..., K:]
 
     # Only the state recursion is sequential over chunks. unbind (not u[:, :, n]) so the
     # backward is one stack instead of N zero-filled full-size index gradients.
@@ -254,7 +306,8 @@ def kda_chunk(
         S = d_n * S + kt_n @ vn
     s_in = torch.stack(states, dim=2)  # state entering each chunk: [B, HV, N, K, V]
     vn_all = torch.stack(v_new, dim=2)  # [B, HV, N, C, V]
-    o = (qc * gam.exp()) @ s_in + a_qk @ vn_all
+    q_decayed = qc * gam.exp() if reads_state is None else qc * gam.exp() * reads_state
+    o = q_decayed @ s_in + a_qk @ vn_all
 
     o = o.reshape(B, HV, N * C, V)[:, :, :T].transpose(1, 2).to(v.dtype)
     final = S.to(_state_dtype(cd)) if output_final_state else None
@@ -353,16 +406,18 @@ def kda(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     backend: str | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA with backend choice (None = the process default, see set_kda_backend):
     "auto": fla-core on CUDA when importable (chunk_kda; fused_recurrent_kda for a 1-token
     step without grad), else torch; "fla": require fla-core; "fla_recurrent": "auto" for 1-token
     steps without grad, torch otherwise; "torch": kda_chunk for T > 1, kda_recurrent for T == 1
     (without gradient, the chunk of `inference_chunk_size`). float64 inputs always take the torch
-    path (fla has no fp64)."""
+    path (fla has no fp64). cu_seqlens: a packed row of several sequences (kda_chunk)."""
     backend = _resolve_backend(backend, q)
     _check_inputs(q, k, v, g, beta, initial_state)
     T = q.shape[1]
+    packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     fla = _load_fla() if backend != "torch" and q.is_cuda else None
     if backend == "fla" and (fla is None or q.dtype == torch.float64):
         raise RuntimeError("kda: backend='fla' needs fla-core importable, CUDA tensors and no float64")
@@ -371,19 +426,21 @@ def kda(
         h0 = None if initial_state is None else initial_state.float()
         if _is_decode_step(q):
             return fused_recurrent_kda(
-                q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state
+                q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state, **packed
             )
+        if cu_seqlens is not None:
+            _check_packed(cu_seqlens, q.shape[0], T, initial_state, output_final_state)
         return chunk_kda(
-            q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state
+            q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state, **packed
         )
     if T == 1:
-        return kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state)
+        return kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, **packed)
     if not _wants_grad(q, k, v, g, beta, initial_state):
         chunk = inference_chunk_size(T)
         if chunk is None:
-            return kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state)
-        return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size=chunk)
-    return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state)
+            return kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, **packed)
+        return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size=chunk, **packed)
+    return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, **packed)
 
 
 def inference_chunk_size(T: int) -> int | None:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .fusion import fused_on_cuda
+from .varlen import check_cu_seqlens, positions_in_segment
 
 __all__ = ["rms_norm", "gated_rms_norm", "l2norm", "situ_glu", "short_conv", "masked_attention", "topk_mask",
            "topk_to_mask", "masked_logit_max"]
@@ -66,6 +67,7 @@ def short_conv(
     window: Tensor | None = None,
     activation: str | None = "silu",
     lengths: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal depthwise conv over time with a carried window (prefill and decode alike).
 
@@ -75,6 +77,8 @@ def short_conv(
     inputs of cat(window, x), so decoding one token at a time equals one full pass.
     lengths: [B] real tokens per row when rows are right-padded; the new window then ends at each
     row's last real token (outputs at real positions never see the padding, which comes later).
+    cu_seqlens [N+1]: a packed row (B = 1, no window) of N sequences, each starting from zeros: a
+    tap never reaches across a boundary (kimi_kernels/varlen.py).
     """
     if x.dim() != 3:
         raise ValueError(f"short_conv: x must be [B, T, D], got shape {tuple(x.shape)}")
@@ -92,7 +96,11 @@ def short_conv(
     if activation not in (None, "silu"):
         raise ValueError(f"short_conv: activation must be 'silu' or None, got {activation!r}")
     window = window.to(x.dtype)
-    y = _causal_depthwise(x, window, w, bias, activation == "silu")
+    reach = None
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, B, T, "short_conv")
+        reach = positions_in_segment(cu_seqlens, T)[None, :, None]  # [1, T, 1]: earlier inputs of its own sequence
+    y = _causal_depthwise(x, window, w, bias, activation == "silu", reach)
     if lengths is None:
         return y, torch.cat((window, x[:, -(W - 1):]), dim=1)[:, -(W - 1):]  # small: holds no view of x
     # row b's window: positions lengths[b] .. lengths[b] + W-2 of cat(window, x)
@@ -102,15 +110,21 @@ def short_conv(
 
 
 @fused_on_cuda
-def _causal_depthwise(x: Tensor, window: Tensor, w: Tensor, bias: Tensor | None, silu: bool) -> Tensor:
+def _causal_depthwise(x: Tensor, window: Tensor, w: Tensor, bias: Tensor | None, silu: bool,
+                      reach: Tensor | None = None) -> Tensor:
     """y[:, t] = sum_j xp[:, t + j] * w[:, j] (+ bias, then SiLU) with xp = cat(window, x), in
     fp32, in x's dtype. Written as W shifted products rather than a conv so that on CUDA the
-    concatenation, casts, taps and SiLU compile to one kernel each way (W is 4)."""
+    concatenation, casts, taps and SiLU compile to one kernel each way (W is 4). reach [B, T, 1]:
+    how many earlier inputs token t may see (a packed row's position in its sequence); taps
+    further back count zero."""
     W = w.shape[1]
     T = x.shape[1]
     xp = torch.cat((window, x), dim=1)  # [B, W-1+T, D]
     wf = _up(w)
-    y = sum(_up(xp[:, j:j + T]) * wf[:, j] for j in range(W))
+    if reach is None:
+        y = sum(_up(xp[:, j:j + T]) * wf[:, j] for j in range(W))
+    else:  # tap j looks W-1-j inputs back
+        y = sum(_up(xp[:, j:j + T]) * (reach >= W - 1 - j) * wf[:, j] for j in range(W))
     if bias is not None:
         y = y + _up(bias)
     if silu:

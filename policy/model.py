@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kimi_kernels.logprobs import linear_token_logprobs
+from kimi_kernels.varlen import check_cu_seqlens, segment_starts
 
 from .cache import ModelCache
 from .config import ModelConfig, get_config
@@ -73,12 +74,13 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(d, cfg.intermediate_size, cfg)
 
     def mix(self, x: torch.Tensor, cache: Any, use_cache: bool, want_idx_loss: bool,
-            token_mask: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+            token_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
         """Attention sublayer: (output, new layer cache or None, DSA indexer loss or None)."""
         if self.kind == "kda":
-            y, c = self.self_attn(x, cache, use_cache, token_mask)
+            y, c = self.self_attn(x, cache, use_cache, token_mask, cu_seqlens)
             return y, c, None
-        return self.self_attn(x, cache, use_cache, want_idx_loss, token_mask)
+        return self.self_attn(x, cache, use_cache, want_idx_loss, token_mask, cu_seqlens)
 
     def ffn(self, x: torch.Tensor, routing: torch.Tensor | None, token_mask: torch.Tensor | None,
             record: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -90,13 +92,14 @@ class DecoderLayer(nn.Module):
 
     def step(self, stream: "_Residual", dt: torch.dtype, cache: Any, use_cache: bool, want_idx_loss: bool,
              routing: torch.Tensor | None, token_mask: torch.Tensor | None, record: bool = True,
+             cu_seqlens: torch.Tensor | None = None,
              ) -> tuple["_Residual", Any, torch.Tensor | None, torch.Tensor | None]:
         """The whole layer on a copy of the residual stream (`stream` is left as it was, so that a
         recomputation in backward starts from the same state), sublayers in dtype `dt`: (stream after
         this layer, new layer cache or None, DSA indexer loss or None, chosen experts or None)."""
         stream = stream.copy()
         a, c, il = self.mix(self.input_layernorm(stream.attn_input(self)).to(dt), cache, use_cache,
-                            want_idx_loss, token_mask)
+                            want_idx_loss, token_mask, cu_seqlens)
         h = stream.add_attn(self, a)
         m, idx = self.ffn(self.post_attention_layernorm(h).to(dt), routing, token_mask, record)
         stream.add_ffn(m)
@@ -104,6 +107,7 @@ class DecoderLayer(nn.Module):
 
     def checkpointed_step(self, stream: "_Residual", dt: torch.dtype, want_idx_loss: bool,
                           routing: torch.Tensor | None, token_mask: torch.Tensor | None,
+                          cu_seqlens: torch.Tensor | None = None,
                           ) -> tuple["_Residual", Any, torch.Tensor | None, torch.Tensor | None]:
         """`step` whose activations are recomputed in backward instead of stored. The recomputation
         replays the experts the first pass chose (the same routes even where the scores tie) and
@@ -112,8 +116,9 @@ class DecoderLayer(nn.Module):
 
         def run(stream: _Residual) -> tuple[_Residual, Any, torch.Tensor | None, torch.Tensor | None]:
             if first:  # the recomputation during backward
-                return self.step(stream, dt, None, False, want_idx_loss, first[0], token_mask, record=False)
-            out = self.step(stream, dt, None, False, want_idx_loss, routing, token_mask)
+                return self.step(stream, dt, None, False, want_idx_loss, first[0], token_mask, record=False,
+                                 cu_seqlens=cu_seqlens)
+            out = self.step(stream, dt, None, False, want_idx_loss, routing, token_mask, cu_seqlens=cu_seqlens)
             first.append(out[3])
             return out
 
@@ -170,7 +175,8 @@ class HybridForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None, use_cache: bool = False,
                 routing: torch.Tensor | None = None, return_routing: bool = False,
                 return_indexer_loss: bool = False, logits_to_keep: int = 0, return_token_logprobs: bool = False,
-                logit_scale: float = 1.0, token_mask: torch.Tensor | None = None) -> CausalLMOutput:
+                logit_scale: float = 1.0, token_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> CausalLMOutput:
         """Logits [B, T, vocab] float32, times `logit_scale` (1 / sampling temperature); only the
         last `logits_to_keep` positions when > 0: a prefill with a 160K vocab needs just the last
         row. `return_token_logprobs`: instead of logits, the log-probability and entropy of each
@@ -180,6 +186,9 @@ class HybridForCausalLM(nn.Module):
         cache (KDA state, conv window, MLA keys), never counts in MoE balancing statistics, and
         with logits_to_keep=1 the logits are each row's at its last real token.
         `routing` entries of -1 (a token whose experts were not recorded) route as usual.
+        `cu_seqlens` [N+1]: input_ids [1, T] is a packed row of N sequences (kimi_kernels/varlen.py),
+        a training forward: no sequence sees another (KDA state and short convs start from zero,
+        attention within each), and each sequence's first token logprob is 0 like position 0's.
         See docs/architecture.md."""
         cfg = self.config
         if return_token_logprobs and logits_to_keep:
@@ -206,6 +215,10 @@ class HybridForCausalLM(nn.Module):
             raise ValueError(f"forward: token_mask must be [B, T] = {(B, T)}, got {tuple(token_mask.shape)}")
         if token_mask is not None and logits_to_keep > 1:
             raise ValueError("forward: token_mask takes logits_to_keep 0 or 1 (each row's last real token)")
+        if cu_seqlens is not None:
+            if cache is not None or use_cache or logits_to_keep:
+                raise ValueError("forward: a packed row (cu_seqlens) is a training forward: no cache, no logits_to_keep")
+            check_cu_seqlens(cu_seqlens, B, T, "forward")
 
         dt = self.model.embed_tokens.weight.dtype  # sublayers run in the model dtype
         stream = _Residual.start(self.model.embed_tokens(input_ids), cfg)
@@ -217,10 +230,10 @@ class HybridForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             r = routing[:, :, len(chosen)] if (routing is not None and layer.is_moe) else None
             if recompute:
-                stream, c, il, idx = layer.checkpointed_step(stream, dt, return_indexer_loss, r, token_mask)
+                stream, c, il, idx = layer.checkpointed_step(stream, dt, return_indexer_loss, r, token_mask, cu_seqlens)
             else:
                 stream, c, il, idx = layer.step(stream, dt, None if cache is None else cache.layers[i], use_cache,
-                                                return_indexer_loss, r, token_mask)
+                                                return_indexer_loss, r, token_mask, cu_seqlens=cu_seqlens)
             new_layers.append(c)
             if il is not None:
                 idx_losses.append(il)
@@ -237,6 +250,9 @@ class HybridForCausalLM(nn.Module):
         if return_token_logprobs:
             logp, ent = self.lm_head(h[:, :-1].reshape(-1, h.shape[-1]), input_ids[:, 1:].reshape(-1), logit_scale)
             token_logp, token_entropy = (F.pad(x.reshape(B, T - 1), (1, 0)) for x in (logp, ent))
+            if cu_seqlens is not None:  # a sequence's first token has no prediction of its own
+                starts = segment_starts(cu_seqlens, T)[None]
+                token_logp, token_entropy = token_logp.masked_fill(starts, 0.0), token_entropy.masked_fill(starts, 0.0)
         else:
             logits = self.lm_head(h, scale=logit_scale)
 

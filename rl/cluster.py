@@ -11,7 +11,6 @@ import ray
 
 from rl.config import RunConfig
 from rl.errors import RunRefused
-from rl.grpo import LossConfig
 from rl.placement import Placement, check_cluster, plan_placement
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,13 +91,6 @@ def model_spec(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
     return {"preset": cfg.model.preset, "overrides": overrides, "init_from": cfg.model.init_from}
 
 
-def loss_config(cfg: RunConfig) -> LossConfig:
-    t, o = cfg.train, cfg.train.off_policy
-    return LossConfig(eps_low=t.eps_low, eps_high=t.eps_high, dual_clip=t.dual_clip, kl_coef=t.kl_coef,
-                      loss_agg=t.loss_agg, norm_len=cfg.rollout.max_context, proximal=o.proximal,
-                      is_correction=o.is_correction, is_level=o.is_level, is_cap=o.is_cap, is_band=o.is_band)
-
-
 def env_kwargs(cfg: RunConfig, name: str) -> dict[str, Any]:
     """An environment's constructor kwargs; environments that open their own sandboxes (to grade,
     for instance) use the run's sandbox backend unless the config says otherwise. The entry's
@@ -134,7 +126,7 @@ def start_env_side(cfg: RunConfig, run_id: str) -> list:
 def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokenizer_dir: str, pad_id: int,
                       env_workers: list, with_learner: bool = True) -> RunActors:
     """Rollout workers, the learner and the scheduler that feeds the workers."""
-    from rl.learner_group import LearnerGroup
+    from rl.learner import LearnerGroup
     from rl.rollout.worker import RolloutWorker
     from rl.rollout.scheduler import RolloutScheduler, SamplingPlan
 
@@ -152,7 +144,7 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
     ]
     learner = None
     if with_learner:
-        learner = LearnerGroup(spec, cfg.train, loss_config(cfg), cfg.rollout.temperature, pad_id, cfg.seed,
+        learner = LearnerGroup(spec, cfg.train, cfg.rollout.max_context, cfg.rollout.temperature, pad_id, cfg.seed,
                                [placement.options(slot) for slot in placement.plan.learner], name=f"learner-{run_id}")
     names = [e.name for e in cfg.envs]
     first = env_workers[0]

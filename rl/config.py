@@ -456,6 +456,11 @@ class TrainConfig(Section):
     betas: tuple[Beta, Beta] = (0.9, 0.99)
     adam_eps: float = Field(default=1e-8, gt=0)
     grad_clip: float = Field(default=1.0, gt=0)
+    # the learner's micro-batches: rows packed end to end into one row of at most this many tokens (a
+    # longer row alone, never split), the ranks' shares balanced by tokens (rl/learner/batches.py)
+    packing: bool = True
+    max_tokens_per_micro_batch: int = Field(default=4096, ge=16, le=1 << 22)
+    # with packing off (or a model that cannot pack): each rank's rows in this many right-padded slices
     micro_batches: int = Field(default=1, ge=1, le=MAX_ITEMS)
     eps_low: float = Field(default=0.2, gt=0, lt=1)  # the ratio's lower clip 1 - eps_low stays above 0
     eps_high: float = Field(default=0.28, gt=0)  # clip-higher

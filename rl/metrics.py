@@ -79,5 +79,6 @@ def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str
     out["rollout/truncated"] = sum(s.truncated for s in samples) / max(len(samples), 1)
     out["rollout/grade_errors"] = float(sum(s.grade_error is not None for s in samples))
     out["rollout/turns"] = sum(s.num_turns for s in samples) / max(len(samples), 1)
-    out["rollout/weight_lag"] = sum(current_version - s.weight_version for s in samples) / max(len(samples), 1)
+    sampled = [s for s in samples if s.weight_version >= 0]  # a sample with no generated token has no lag
+    out["rollout/weight_lag"] = sum(current_version - s.weight_version for s in sampled) / max(len(sampled), 1)
     return out

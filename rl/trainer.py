@@ -6,6 +6,7 @@ import json
 import random
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from rl.metrics import MetricsLogger
 from rl.progress import StepProgress
 from rl.rollout.engine_api import EngineStats
 from rl.rollout.layout import episode_texts, reference_example
-from rl.rollout.scheduler import item_from_dict
+from rl.rollout.scheduler import StreamPosition
 from rl.run_folder import (CHECKPOINTS, append_jsonl, latest_checkpoint, new_run_dir, read_json,
                            rewind_step_logs)
 from rl.types import EPISODE_PHASES, env_worker_index
@@ -116,7 +117,7 @@ class Trainer:
         with progress:
             for i in range(w.steps):
                 batch = rng.sample(examples, min(w.batch_size, len(examples)))
-                metrics = self.actors.learner.sft_step(batch, w.lr)
+                metrics = self.actors.learner.sft_step(batch, w.lr).metrics
                 progress.advance(f"loss {metrics['sft/loss']:.3f}")
                 logger.log(-w.steps + i, metrics)
 
@@ -142,7 +143,7 @@ class Trainer:
         shutil.copytree(self.run_dir / "tokenizer", ckpt_root / tag / "hf" / "tokenizer", dirs_exist_ok=True)
         # the stream's position and the groups issued but not trained on: a resumed run plays them again
         snapshot = ray.get(self.actors.scheduler.snapshot.remote())
-        (ckpt_root / tag / "scheduler.json").write_text(json.dumps(snapshot))
+        (ckpt_root / tag / "scheduler.json").write_text(json.dumps(snapshot.to_dict()))
         write_manifest(ckpt_root / tag)  # last: every file of the checkpoint is on disk
         (ckpt_root / "latest").write_text(tag)
         tags = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
@@ -160,7 +161,9 @@ class Trainer:
             return None
         tag, step = found
         self.actors.learner.load(str(self.run_dir / CHECKPOINTS), tag)
-        snapshot = read_json(self.run_dir / CHECKPOINTS / tag / "scheduler.json") or {"next_index": 0, "pending": []}
+        saved = read_json(self.run_dir / CHECKPOINTS / tag / "scheduler.json")
+        # the next batch is for the step after the checkpoint's, whatever an older file says
+        snapshot = replace(StreamPosition.from_dict(saved) if saved else StreamPosition(), batches_taken=step + 1)
         if step + 1 < self.cfg.train.steps:
             self.say(f"resumed from {tag}: continuing at step {step + 1}")
         return step + 1, snapshot
@@ -182,6 +185,9 @@ class Trainer:
             spec = model_spec(cfg, tok.vocab_size)
             self.actors = start_policy_side(cfg, self.run_id, spec, str(self.run_dir / "tokenizer"), tok.pad_id,
                                             self._env_workers)
+            if cfg.train.packing and not self.actors.learner.packing():
+                self.say(f"learner: {cfg.model.hf_path} has layers that would carry state across packed "
+                         f"sequences: its micro-batches are right-padded (train.micro_batches)")
             if resuming:  # the steps after the checkpoint run again: their log lines go first
                 rewind_step_logs(self.run_dir, latest_checkpoint(self.run_dir)[1])
             logger = MetricsLogger(self.run_dir, cfg.logging.wandb_mode, cfg.logging.wandb_project, self.run_id,
@@ -199,13 +205,15 @@ class Trainer:
                             "steps": cfg.train.steps}
                 self._push_weights(start_step)
             else:
-                start_step, snapshot = 0, {"next_index": 0, "pending": []}
+                start_step, snapshot = 0, StreamPosition()
                 if cfg.warmup.steps:
                     levels = [lvl for lvl, w in cfg.effort.weights.items() if w > 0]
                     rng = random.Random(cfg.seed)
                     examples = [reference_example(tok, ep["messages"], ep["turns"], rng.choice(levels))
                                 for eps in episodes.values() for ep in eps]
                     self._warmup(examples, logger)
+                if cfg.train.kl_coef > 0:  # the KL pulls toward the policy GRPO starts from
+                    self.actors.learner.set_reference()
                 self._push_weights(0)
                 before = self._evaluate("before") if cfg.eval.before_and_after else None
             self._train_loop(start_step, snapshot, logger)
@@ -228,11 +236,10 @@ class Trainer:
             self.console.print(eval_table(before, after))
             self.console.print(effort_table(before, after))
 
-    def _train_loop(self, start_step: int, snapshot: dict[str, Any], logger: MetricsLogger) -> None:
+    def _train_loop(self, start_step: int, snapshot: StreamPosition, logger: MetricsLogger) -> None:
         cfg, actors = self.cfg, self.actors
         progress = StepProgress("GRPO", cfg.train.steps, completed=start_step, enabled=cfg.logging.progress)
-        pending = [item_from_dict(d) for d in snapshot["pending"]]
-        ray.get(actors.scheduler.start_training.remote(snapshot["next_index"], pending))
+        ray.get(actors.scheduler.start_training.remote(snapshot))
         self.phase(f"GRPO: steps {start_step}..{cfg.train.steps - 1}, {cfg.rollout.groups_per_step} groups of "
                    f"{cfg.rollout.group_size} a step, max_staleness {cfg.rollout.max_staleness}")
         pace = _EnginePace(actors.rollout_workers, self.say)
@@ -250,7 +257,7 @@ class Trainer:
                 t2 = time.monotonic()
                 sync_s = self._push_weights(step + 1)
                 t3 = time.monotonic()
-                metrics = {**report.metrics, **trained["metrics"]}
+                metrics = {**report.metrics, **trained.metrics}
                 samples = len(report.records)  # every sample played for this step, trained or dropped
                 tokens = sum(r["tokens"] for r in report.records)
                 metrics.update({
@@ -272,10 +279,10 @@ class Trainer:
                 logger.log(step, metrics)
                 episode_time.observe(metrics)
                 append_jsonl(self.run_dir / "rollouts.jsonl", report.records)
-                if trained["moe_load"]:
-                    layers = sorted(trained["moe_load"])
+                if trained.moe_load:
+                    layers = sorted(trained.moe_load)
                     append_jsonl(self.run_dir / "moe_load.jsonl", [
-                        {"step": step, "layers": layers, "load": [trained["moe_load"][i] for i in layers]}])
+                        {"step": step, "layers": layers, "load": [trained.moe_load[i] for i in layers]}])
                 self._say_problems(step, report, metrics)
                 if (step + 1) % cfg.checkpoint.every == 0 or step == cfg.train.steps - 1:
                     self._save(step)

@@ -433,7 +433,7 @@ class SyncReport:
 
 class ActorSource:
     """A Ray actor with `open_weight_sync(spec)` and `push_weights(version, full)` methods (a
-    WeightSource inside) as the source the driver functions below take; rl.learner_group's
+    WeightSource inside) as the source the driver functions below take; rl.learner.group's
     LearnerGroup is one natively."""
 
     def __init__(self, actor) -> None:

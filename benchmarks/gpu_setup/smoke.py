@@ -52,8 +52,7 @@ def main() -> None:
 
     from policy import Tokenizer
     from rl.config import RolloutConfig, TrainConfig, ResourcesConfig
-    from rl.grpo import LossConfig
-    from rl.learner_group import LearnerGroup
+    from rl.learner import LearnerGroup
     from rl.placement import Placement, plan_placement
     from rl.rollout.worker import RolloutWorker
     from rl.weight_sync import SyncSpec, open_weight_sync, sync_weights
@@ -64,7 +63,7 @@ def main() -> None:
     spec = {"preset": "toy", "overrides": {"vocab_size": 320}, "init_from": None}
     tok_dir = tempfile.mkdtemp()
     Tokenizer.train(["the quick brown fox jumps over the lazy dog 0123456789"] * 20, vocab_size=320).save(tok_dir)
-    group = LearnerGroup(spec, TrainConfig(), LossConfig(), 1.0, 0, 0, [placement.options(placement.plan.learner[0])])
+    group = LearnerGroup(spec, TrainConfig(), RolloutConfig().max_context, 1.0, 0, 0, [placement.options(placement.plan.learner[0])])
     learner = group.actors[0]
     worker = ray.remote(RolloutWorker).options(**placement.options(placement.plan.rollout[0])).remote(
         spec, tok_dir, [], RolloutConfig(), 1)

@@ -98,15 +98,18 @@ class KDAMixer(nn.Module):
         return tuple(proj.split([sum(sizes[:3])] + sizes[3:], dim=-1))
 
     def forward(self, x: torch.Tensor, cache: KDACache | SlotKDAView | None = None, use_cache: bool = False,
-                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, KDACache | SlotKDAView | None]:
+                token_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, KDACache | SlotKDAView | None]:
         """token_mask [B, T] bool (right padding): padded positions neither decay nor write the
-        recurrent state (gate 0, beta 0), so the final state is each row's after its last real token."""
+        recurrent state (gate 0, beta 0), so the final state is each row's after its last real token.
+        cu_seqlens: a packed row of sequences (kimi_kernels/varlen.py): the short convs and the
+        recurrent state start from zero at each sequence's first token."""
         B, T, _ = x.shape
         qkv, f_a, b, g_in = self._project(x)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         window = None if cache is None else cache.conv
         lengths = None if token_mask is None else token_mask.sum(1)
-        qkv, new_window = short_conv(qkv, weight, window=window, lengths=lengths)
+        qkv, new_window = short_conv(qkv, weight, window=window, lengths=lengths, cu_seqlens=cu_seqlens)
         qk = self.H * self.K
         q = qkv[..., :qk].reshape(B, T, self.H, self.K)
         k = qkv[..., qk:2 * qk].reshape(B, T, self.H, self.K)
@@ -125,7 +128,7 @@ class KDAMixer(nn.Module):
             new_cache = replace(cache, new_conv=new_window)
         else:
             state = None if cache is None else cache.state
-            o, final = kda(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
+            o, final = kda(q, k, v, g, beta, initial_state=state, output_final_state=use_cache, cu_seqlens=cu_seqlens)
             new_cache = KDACache(final, new_window) if use_cache else None
         gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)
         o = self.o_norm(o, gate.reshape(B, T, self.HV, self.V)).reshape(B, T, self.HV * self.V)

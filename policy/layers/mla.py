@@ -25,6 +25,7 @@ from kimi_kernels.attention import attention
 from kimi_kernels.fusion import fused_on_cuda
 from kimi_kernels.mla_decode import mla_decode, mla_decode_paged, mla_decode_supported
 from kimi_kernels.ops import masked_logit_max, topk_mask
+from kimi_kernels.varlen import check_cu_seqlens, repad_index, to_packed, to_padded
 
 from ..cache import MLACache, PagedMLAKeys
 from ..config import ModelConfig
@@ -153,8 +154,14 @@ class MLAMixer(nn.Module):
     # ---- forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, use_cache: bool = False,
                 indexer_loss: bool = False, token_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, MLACache | None, torch.Tensor | None]:
-        """token_mask [B, T] bool (right padding): padded tokens enter the cache as invalid keys."""
+        """token_mask [B, T] bool (right padding): padded tokens enter the cache as invalid keys.
+        cu_seqlens: a packed row of sequences (kimi_kernels/varlen.py), attended as the batch of
+        its sequences right-padded (each sees only its own keys; the attention's cost is the padded
+        batch's, sum of squares, not the packed row's square)."""
+        if cu_seqlens is not None:
+            return self._forward_packed(x, indexer_loss, token_mask, cu_seqlens)
         B, T, _ = x.shape
         q, q_in = self._query(x)
         latent, k_rope = self._new_latents(x)
@@ -208,6 +215,14 @@ class MLAMixer(nn.Module):
             p = torch.softmax(logits.masked_fill(~visible[:, None], float("-inf")), dim=-1).sum(1)
             loss = _kl_to_indexer(p, idx_scores, visible)  # heads summed; L1-normalised in the KL
         return y, (full if use_cache else None), loss
+
+    def _forward_packed(self, x: torch.Tensor, indexer_loss: bool, token_mask: torch.Tensor | None,
+                        cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], "MLA")
+        index, real = repad_index(cu_seqlens)
+        counted = real if token_mask is None else real & to_padded(token_mask, index)
+        y, _, loss = self.forward(to_padded(x, index), None, False, indexer_loss, counted)
+        return to_packed(y, index, real, x.shape[1]), None, loss
 
     @torch.no_grad()
     def _track_qk_max(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, past: int) -> None:

@@ -313,19 +313,23 @@ class LatentMoE(nn.Module):
               real: torch.Tensor | None = None, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (weights [N, k] float32, indices [N, k] long). `routing` replays indices
         (-1: not recorded, choose as usual); `real` [N] bool: the tokens the balancing statistics
-        count (padding is routed but never counted); `record`: whether a training forward counts
-        (an activation-checkpointing recomputation does not)."""
+        count (padding is routed but never counted, nor are tokens whose routing was not recorded);
+        `record`: whether a training forward counts (an activation-checkpointing recomputation
+        does not)."""
         scores = self.gate(x)
         with torch.no_grad():
             idx = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1).indices
         record = record and self.training
         replay = scores.new_zeros(2)
         if routing is not None:
+            recorded = (routing >= 0).all(-1)
             if record:  # how often the learner's own choice equals the rollout's (the set of k)
                 with torch.no_grad():
-                    recorded = (routing >= 0).all(-1)
+                    counted = recorded if real is None else recorded & real
                     same = (routing.sort(-1).values == idx.sort(-1).values).all(-1)
-                    replay = torch.stack([(same & recorded).sum(), recorded.sum()]).float()
+                    replay = torch.stack([(same & counted).sum(), counted.sum()]).float()
+            # a token the engine never fed (the last one sampled) has no recorded load to count
+            real = recorded if real is None else real & recorded
             idx = torch.where(routing >= 0, routing, idx)
         w = scores.gather(1, idx)
         if self.renorm:

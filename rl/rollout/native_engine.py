@@ -64,6 +64,7 @@ class _Seq:
     fed: int = 0  # tokens the cache holds: tokens[:fed], and (overlap) a sampled token not yet read back
     slot: int | None = None
     logits: torch.Tensor | None = None  # next-token logits (on the device) held for a turn to come
+    logits_version: int = -1  # the weights that computed the held logits (a token sampled from them is theirs)
     turn: _Turn | None = None
     sampled: int = 0  # tokens accepted so far: the position in the sequence's random stream
     inflight: int = 0  # tokens sampled on the device, not yet read back
@@ -83,6 +84,7 @@ class _Row:
     shares: list[tuple[_Seq, int]] = field(default_factory=list)  # forks since (and their epochs): same routing
     sample: int = -1  # the row of the step's sampled tokens drawn for `turn`, if any
     turn: _Turn | None = None
+    version: int | None = None  # held logits' weights it sampled from (None: the launch's own)
 
 
 @dataclass
@@ -412,7 +414,11 @@ class NativeEngine(RolloutEngine):
         held = [s for s in self.seqs.values() if s.logits is not None and s.turn is not None and s.fork_of is None]
         picks = sorted((pick for pick in ready.values() if pick[0].turn is not None), key=lambda pick: pick[1])
         rows_so_far = sum(p.shape[0] for p in parts)
-        picks += [(s, rows_so_far + i, None) for i, s in enumerate(held)]
+        # a held token's row carries the version of the weights that computed its logits: sampled
+        # after a weight update, it is still the older weights' token (staleness counts from those)
+        held_rows = [_Row(s, s.epoch, version=s.logits_version) for s in held]
+        picks += [(s, rows_so_far + i, row) for i, (s, row) in enumerate(zip(held, held_rows))]
+        launch.rows += held_rows
         if held:
             parts.append(torch.stack([s.logits for s in held]))
             for s in held:
@@ -420,7 +426,7 @@ class NativeEngine(RolloutEngine):
         # fed to the end with no turn to sample yet (a group's parent waiting for its turn): held
         for s, r, _ in ready.values():
             if s.turn is None:
-                s.logits = _row_of(parts, r).clone()
+                s.logits, s.logits_version = _row_of(parts, r).clone(), launch.version
         if picks:
             self._sample(launch, picks, parts)
         if not (decode or prefill or forked or picks):
@@ -509,7 +515,7 @@ class NativeEngine(RolloutEngine):
             if id(parent) in ready:
                 ready[id(child)] = (child, ready[id(parent)][1], None)
             else:
-                child.logits = parent.logits
+                child.logits, child.logits_version = parent.logits, parent.logits_version
         return forked
 
     def _feed(self, seqs: list[_Seq], take: list[int], sources: list[int]
@@ -583,7 +589,7 @@ class NativeEngine(RolloutEngine):
         launch.tokens.copy_(tokens, non_blocking=True)
         launch.logprobs.copy_(logprobs, non_blocking=True)
         for i, (s, _, row) in enumerate(picks):
-            if row is None:  # sampled from held or a parent's logits: a row of its own
+            if row is None:  # sampled from a parent's logits: a row of its own
                 row = _Row(s, s.epoch)
                 launch.rows.append(row)
             row.sample, row.turn = i, s.turn
@@ -606,7 +612,8 @@ class NativeEngine(RolloutEngine):
                     if seq.epoch == epoch:
                         seq.routing.extend(part)
             if row.sample >= 0:
-                self._accept(row, tokens[row.sample], logprobs[row.sample], launch.version)
+                self._accept(row, tokens[row.sample], logprobs[row.sample],
+                             launch.version if row.version is None else row.version)
 
     def _accept(self, row: _Row, tok: int, logprob: float, version: int) -> None:
         seq, turn = row.seq, row.turn

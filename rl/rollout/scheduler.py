@@ -105,9 +105,12 @@ class RolloutScheduler:
         self.flight_version: dict[str, int] = {}  # uid -> newest weights when it was issued
         self.ready: dict[str, list[Sample]] = {}  # whole informative groups not yet trained on
         self.ready_items: dict[str, WorkItem] = {}
-        self.batches_taken = 0
+        self.batches_taken = 0  # the training step the next batch is for
         self.draws_since_batch = 0  # new draws since the last batch was taken (capped)
+        self.fresh: set[str] = set()  # uids drawn since the last batch (a resumed run replays them as draws)
+        self.redraw: deque[WorkItem] = deque()  # a resumed run's draws since its checkpoint's batch, replayed
         self.dropped: dict[int, list[Sample]] = {}  # groups dropped since the last batch, by stream index
+        self.dropped_items: dict[int, WorkItem] = {}
         self.counters: dict[str, float] = {}
         self.errors: list[str] = []
 
@@ -136,7 +139,7 @@ class RolloutScheduler:
             if version < oldest_allowed:
                 self._abort(uid)
         for uid, samples in list(self.ready.items()):
-            if min(s.weight_version for s in samples) < oldest_allowed:
+            if oldest_version(samples) < oldest_allowed:
                 self.reissue.append(self.ready_items.pop(uid))
                 del self.ready[uid]
                 self._count("async/aborted_groups")
@@ -152,17 +155,28 @@ class RolloutScheduler:
         self.counters[name] = self.counters.get(name, 0.0) + n
 
     # -- training stream -------------------------------------------------------------------------
-    async def start_training(self, next_index: int = 0, pending: list[WorkItem] | None = None) -> None:
-        """Start producing groups; a resumed run passes its snapshot (groups issued but not trained on
-        are played again first, in stream order)."""
-        self.next_index = next_index
-        self.reissue.extend(sorted(pending or [], key=lambda it: it.index))
+    async def start_training(self, resume: "StreamPosition | None" = None) -> None:
+        """Start producing groups; a resumed run passes its checkpoint's position: the groups issued
+        but not trained on are played again first, in stream order, each counted as it was (a draw
+        since the last batch again counts toward the draw cap), so a synchronous run trains on
+        exactly what an uninterrupted one does."""
+        position = resume or StreamPosition()
+        self.next_index = position.next_index
+        self.batches_taken = position.batches_taken
+        drawn = set(position.drawn)
+        for item in sorted(position.pending, key=lambda it: it.index):
+            (self.redraw if item.uid in drawn else self.reissue).append(item)
         self._producer = asyncio.get_running_loop().create_task(self._produce())
 
-    def snapshot(self) -> dict[str, Any]:
-        """What a checkpoint needs to resume the stream: nothing trained twice, nothing skipped."""
-        pending = [*self.reissue, *(t.item for t in self.flights.values()), *self.ready_items.values()]  # type: ignore[attr-defined]
-        return {"next_index": self.next_index, "pending": [vars(it) for it in sorted(pending, key=lambda it: it.index)]}
+    def snapshot(self) -> "StreamPosition":
+        """What a checkpoint needs to resume the stream: every group issued and neither trained on nor
+        reported (played again), which of them were drawn since the last batch, and the step the
+        next batch is for. Nothing trained twice, nothing skipped."""
+        pending = [*self.redraw, *self.reissue, *(t.item for t in self.flights.values()),  # type: ignore[attr-defined]
+                   *self.ready_items.values(), *self.dropped_items.values()]
+        pending.sort(key=lambda it: it.index)
+        return StreamPosition(self.next_index, self.batches_taken, pending,
+                              sorted(uid for uid in self.fresh if any(it.uid == uid for it in pending)))
 
     async def stop_training(self) -> None:
         if self._producer is not None:
@@ -178,7 +192,8 @@ class RolloutScheduler:
         versions ahead of the newest weights, and a worker has a free place for it."""
         if self.version < 0 or self._free_worker() is None:
             return False
-        if not self.reissue and self.draws_since_batch >= self._draw_cap():
+        # (a resumed run's replayed draws were within the cap when first drawn)
+        if not self.reissue and not self.redraw and self.draws_since_batch >= self._draw_cap():
             return False  # dynamic sampling at its cap: the next batch takes what is ready
         live = len(self.flights) + len(self.ready)
         landing_batch = self.batches_taken + live // self.cfg.groups_per_step
@@ -199,9 +214,14 @@ class RolloutScheduler:
         return self.cfg.max_draws_per_step * self.cfg.groups_per_step
 
     def _draw(self) -> WorkItem:
-        item = self.plan.item(self.next_index, {e: ids["train"] for e, ids in self.task_ids.items()})
-        self.next_index += 1
+        """The next group of the stream (or, resuming, the next one drawn before the checkpoint)."""
+        if self.redraw:
+            item = self.redraw.popleft()
+        else:
+            item = self.plan.item(self.next_index, {e: ids["train"] for e, ids in self.task_ids.items()})
+            self.next_index += 1
         self.draws_since_batch += 1
+        self.fresh.add(item.uid)
         self._count("rollout/drawn_groups")
         return item
 
@@ -221,7 +241,8 @@ class RolloutScheduler:
             elif self.cfg.drop_uniform_groups and len({s.reward for s in outcome.samples}) == 1:
                 self._count("rollout/dropped_uniform_groups")
                 self.dropped[outcome.item.index] = outcome.samples
-            elif min(s.weight_version for s in outcome.samples) < self.version - self.cfg.max_staleness:
+                self.dropped_items[outcome.item.index] = outcome.item
+            elif oldest_version(outcome.samples) < self.version - self.cfg.max_staleness:
                 self.reissue.append(outcome.item)  # finished, but only under weights now too old
                 self._count("async/aborted_groups")
             else:
@@ -237,11 +258,12 @@ class RolloutScheduler:
         async with self._changed:
 
             def enough() -> bool:
-                capped = self.draws_since_batch >= self._draw_cap() and not self.reissue
+                capped = self.draws_since_batch >= self._draw_cap() and not self.reissue and not self.redraw
                 return len(self.ready) >= need or (capped and not self.flights)
 
             await self._changed.wait_for(enough)
             self.draws_since_batch = 0
+            self.fresh = set()
             uids = sorted(self.ready, key=lambda u: self.ready_items[u].index)[:need]
             samples = [s for u in uids for s in self.ready.pop(u)]
             for u in uids:
@@ -250,7 +272,7 @@ class RolloutScheduler:
             counters, self.counters = self.counters, {}
             errors, self.errors = self.errors, []
             dropped = [s for index in sorted(self.dropped) for s in self.dropped[index]]  # stream order
-            self.dropped = {}
+            self.dropped, self.dropped_items = {}, {}
             self._changed.notify_all()
         # rollout statistics cover every group reported now, dropped ones included (dropping the
         # all-correct and all-wrong groups would bias the reward curve)
@@ -364,10 +386,35 @@ def rollout_record(step: int, s: Sample, trained: bool) -> dict[str, Any]:
     return {"step": step, "uid": s.uid, "group": s.group_uid, "trained": trained, "env": s.env, "domain": s.domain,
             "task_id": s.task_id, "effort": s.effort, "reward": s.reward, "passed": s.passed,
             "version": s.weight_version, "versions": [s.weight_version, s.newest_version],
-            "staleness": step - s.weight_version, "engine": s.engine, "tokens": s.response_tokens,
+            # None: the sample generated no token, so no weights sampled it
+            "staleness": step - s.weight_version if s.weight_version >= 0 else None,
+            "engine": s.engine, "tokens": s.response_tokens,
             "turns": s.num_turns, "truncated": s.truncated, "phase_s": s.phase_s, "error": s.grade_error,
             "grade": s.grade_details, "transcript": s.transcript}
 
 
-def item_from_dict(data: dict[str, Any]) -> WorkItem:
-    return WorkItem(**data)
+def oldest_version(samples: list[Sample]) -> int:
+    """The oldest weights that sampled a token of the group. A sample with no generated token (a turn
+    budget used up by its prompt) was sampled by no weights and is never stale: it does not count;
+    a group of only such samples is as fresh as the newest weights."""
+    versions = [s.weight_version for s in samples if s.weight_version >= 0]
+    return min(versions) if versions else np.iinfo(np.int64).max
+
+
+@dataclass
+class StreamPosition:
+    """Where a run's stream of training groups stands at a checkpoint (scheduler.json)."""
+
+    next_index: int = 0  # the next stream index to draw
+    batches_taken: int = 0  # the training step the next batch is for
+    pending: list[WorkItem] = field(default_factory=list)  # issued, neither trained on nor reported
+    drawn: list[str] = field(default_factory=list)  # uids among `pending` drawn since the last batch
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"next_index": self.next_index, "batches_taken": self.batches_taken,
+                "pending": [vars(it) for it in self.pending], "drawn": self.drawn}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StreamPosition":
+        return cls(int(data["next_index"]), int(data["batches_taken"]), [WorkItem(**d) for d in data["pending"]],
+                   list(data.get("drawn", [])))

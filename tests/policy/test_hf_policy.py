@@ -1,5 +1,6 @@
 """Transformers models as policies: token logprobs equal a full log_softmax, the GRPO gradient does not
-depend on how the batch is cut into micro-batches, and the checkpoint names are transformers' saved ones."""
+depend on how the batch is cut into micro-batches nor on packing them into one row, a packed row keeps its
+sequences apart, and the checkpoint names are transformers' saved ones."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,9 @@ import torch
 pytest.importorskip("transformers")
 
 from policy import HFPolicy, build_policy, checkpoint_state_dict  # noqa: E402
-from rl.grpo import LossConfig, accumulate_policy_gradient, collate, compute_advantages  # noqa: E402
+from rl.config import TrainConfig  # noqa: E402
+from rl.learner.batches import collate, plan_packed, plan_padded, rows_from_samples  # noqa: E402
+from rl.learner.loss import accumulate_policy_gradient, compute_advantages, loss_normaliser  # noqa: E402
 from tiny_hf_models import VOCAB, save_tiny, tiny_hf_model  # noqa: E402
 
 
@@ -50,22 +53,52 @@ def _samples(n: int):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_one_micro_batch_and_four_give_the_same_gradient(kind):
+def test_the_gradient_does_not_depend_on_micro_batches_or_packing(kind):
     policy = HFPolicy(tiny_hf_model(kind))  # float32: transformers' grouped-GEMM experts take no float64
+    assert policy.packs_rows
     samples = _samples(8)
-    batch = collate(samples, compute_advantages([s.reward for s in samples], [s.group_uid for s in samples]), 0)
+    rows = rows_from_samples(samples, compute_advantages([s.reward for s in samples], [s.group_uid for s in samples]))
+    cfg = TrainConfig()
 
-    def grads(micro: int) -> list[torch.Tensor]:
+    def grads(packed: bool, cut: int) -> list[torch.Tensor]:
+        plan = plan_packed([len(r.tokens) for r in rows], 1, cut) if packed else plan_padded(len(rows), 1, cut)
         policy.zero_grad()
-        accumulate_policy_gradient(policy, batch, LossConfig(), micro)
+        accumulate_policy_gradient(policy, [collate([rows[i] for i in p], 0, packed) for p in plan[0]], cfg,
+                                   loss_normaliser(rows, cfg, 16))
         return [p.grad.clone() for p in policy.parameters() if p.grad is not None]
 
-    one, four = grads(1), grads(4)
-    assert len(one) == len(four) > 0 and any(float(g.abs().max()) > 0 for g in one)
+    one = grads(False, 1)
+    assert any(float(g.abs().max()) > 0 for g in one)
     # float32 sums in another order; a per-micro-batch normalisation bug would differ by tens of percent
     scale = max(float(g.abs().max()) for g in one)
-    for a, b in zip(one, four):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale)
+    for packed, cut in ((False, 4), (True, 30), (True, 1000)):
+        other = grads(packed, cut)
+        assert len(one) == len(other) > 0
+        for a, b in zip(one, other):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_a_packed_row_keeps_its_sequences_apart(kind):
+    """Positions restart and attention stays within each sequence: each sequence's logprobs equal its
+    own forward's; the same tokens read as one sequence differ (so the comparison can fail)."""
+    policy = HFPolicy(tiny_hf_model(kind))
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 1, 14, 5)]
+    cu = torch.tensor([0, 9, 10, 24, 29])
+    with torch.no_grad():
+        packed = policy(torch.cat(seqs)[None], cu_seqlens=cu).token_logprobs[0]
+        alone = torch.cat([policy(s[None]).token_logprobs[0] for s in seqs])
+        one = policy(torch.cat(seqs)[None]).token_logprobs[0]
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    assert (one - alone).abs().max() > 1e-2
+
+
+def test_a_model_with_recurrent_layers_refuses_a_packed_row():
+    policy = HFPolicy(tiny_hf_model("qwen3_next"))
+    assert not policy.packs_rows
+    with pytest.raises(ValueError, match="train it on padded rows"):
+        policy(torch.ones(1, 4, dtype=torch.long), cu_seqlens=torch.tensor([0, 2, 4]))
 
 
 def test_checkpoint_names_are_the_saved_ones(tmp_path):

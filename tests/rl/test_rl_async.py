@@ -63,10 +63,24 @@ class QuietEnvWorker:
         return 0
 
 
-def run_schedule(ray, max_staleness: int, seed: int, steps: int = 6, groups: int = 4, learner_s: float = 0.15):
+class EmptyTurnWorker(SimulatedWorker):
+    """Episodes whose turn budget the prompt used up: no generated token, so no weight version."""
+
+    async def run_group(self, item: WorkItem) -> list[Sample]:
+        await asyncio.sleep(TICK_S)
+        return [Sample(uid=f"{item.uid}/{m}", group_uid=item.uid, env=item.env, domain=item.env,
+                       task_id=item.task_id, effort=item.effort, tokens=[1, 1], loss_mask=[0, 0],
+                       behavior_logprobs=[0.0, 0.0], token_versions=[-1, -1], reward=float(m % 2))
+                for m in range(item.group_size)]
+
+
+def run_schedule(ray, max_staleness: int, seed: int, steps: int = 6, groups: int = 4, learner_s: float = 0.15,
+                 start: int = 0, resume=None, worker=SimulatedWorker):
+    """Steps start..steps-1 as the trainer runs them (batch, learner, push the next weights); returns
+    the batches, their reports and the stream's position after the last push (a checkpoint's)."""
     from rl.rollout.scheduler import RolloutScheduler, SamplingPlan
 
-    workers = [ray.remote(SimulatedWorker).remote(seed * 10 + i) for i in range(2)]
+    workers = [ray.remote(worker).remote(seed * 10 + i) for i in range(2)]
     env_worker = ray.remote(QuietEnvWorker).remote()
     plan = SamplingPlan(env_weights={"a": 1.0, "b": 1.0}, effort_weights={"low": 1.0, "high": 1.0},
                         effort_budgets={"low": 8, "high": 16}, group_size=GROUP, temperature=1.0, top_p=1.0,
@@ -76,25 +90,58 @@ def run_schedule(ray, max_staleness: int, seed: int, steps: int = 6, groups: int
                         max_slots=64)
     scheduler = ray.remote(RolloutScheduler).remote(workers, [env_worker], tasks, plan, cfg)
     weights = ray.put({})
-    ray.get(scheduler.set_weights.remote([weights], 0))
-    ray.get(scheduler.start_training.remote(0, []))
+    ray.get(scheduler.set_weights.remote([weights], start))
+    ray.get(scheduler.start_training.remote(resume))
     batches, reports = [], []
-    for step in range(steps):
-        ref, report = ray.get(scheduler.next_batch.remote(step))
+    for step in range(start, steps):
+        ref, report = ray.get(scheduler.next_batch.remote(step), timeout=120)
         batches.append(ray.get(ref[0]))
         reports.append(report)
         time.sleep(learner_s)  # the learner's step: rollout goes on meanwhile when k > 0
         ray.get(scheduler.set_weights.remote([weights], step + 1))
+    time.sleep(learner_s)  # the next step's groups under way when the checkpoint is taken
+    position = ray.get(scheduler.snapshot.remote())
     ray.get(scheduler.stop_training.remote())
     for actor in [*workers, env_worker, scheduler]:
         ray.kill(actor)
-    return batches, reports
+    return batches, reports, position
+
+
+def test_a_resumed_synchronous_stream_trains_on_what_an_uninterrupted_one_does(ray_session):
+    """Killed after step 2's checkpoint and resumed, a synchronous run trains on the same groups, reports
+    the same dropped ones and counts the same draws as one never interrupted. (The resumed scheduler
+    used to count its batches from 0 against weights at version 3: it admitted groups up to the draw
+    cap, 8 groups where 2 belong, and its batches were whichever finished first.)"""
+    whole, whole_reports, _ = run_schedule(ray_session, 0, seed=3)
+    first, first_reports, position = run_schedule(ray_session, 0, seed=3, steps=3)
+    assert position.pending, "the checkpoint caught none of step 3's groups in flight: the test tests nothing"
+    rest, rest_reports, _ = run_schedule(ray_session, 0, seed=3, start=3, resume=position)
+
+    def trained(batch) -> list[str]:
+        return sorted({s.group_uid for s in batch.samples})
+
+    def dropped(report) -> list[str]:
+        return sorted({r["group"] for r in report.records if not r["trained"]})
+
+    assert [trained(b) for b in first + rest] == [trained(b) for b in whole]
+    assert [dropped(r) for r in first_reports + rest_reports] == [dropped(r) for r in whole_reports]
+    for key in ("rollout/refilled_groups", "rollout/dropped_uniform_groups"):
+        assert [r.metrics.get(key) for r in first_reports + rest_reports] == [r.metrics.get(key) for r in whole_reports]
+
+
+def test_samples_without_a_generated_token_are_never_stale(ray_session):
+    """A group whose samples generated nothing (version -1) used to look infinitely stale: it was aborted
+    and re-issued again and again, and the batch never came."""
+    batches, reports, _ = run_schedule(ray_session, 0, seed=4, steps=2, worker=EmptyTurnWorker)
+    assert [len(b.samples) for b in batches] == [4 * GROUP, 4 * GROUP]
+    assert not any(r.metrics.get("async/aborted_groups") for r in reports)
+    assert all(r["staleness"] is None for report in reports for r in report.records)
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_staleness_never_exceeds_the_bound(ray_session, max_staleness, seed):
-    batches, reports = run_schedule(ray_session, max_staleness, seed)
+    batches, reports, _ = run_schedule(ray_session, max_staleness, seed)
     seen: set[str] = set()
     spans = 0
     for step, batch in enumerate(batches):
@@ -125,7 +172,7 @@ def uniform_uid(uid: str) -> bool:
 
 def test_async_overlaps_rollout_with_learning(ray_session):
     """With k = 1 the next batch is (mostly) ready when the learner asks; with k = 0 it never is."""
-    _, sync = run_schedule(ray_session, 0, seed=3, steps=5, learner_s=0.3)
-    _, overlapped = run_schedule(ray_session, 1, seed=3, steps=5, learner_s=0.3)
+    _, sync, _ = run_schedule(ray_session, 0, seed=3, steps=5, learner_s=0.3)
+    _, overlapped, _ = run_schedule(ray_session, 1, seed=3, steps=5, learner_s=0.3)
     wait = lambda reports: sum(r.metrics["time/batch_wait_s"] for r in reports[1:])  # noqa: E731
     assert wait(overlapped) < 0.6 * wait(sync)

@@ -11,7 +11,7 @@ import pytest
 from envs.grades import Grade
 from policy import Tokenizer
 from rl.config import RolloutConfig
-from rl.grpo import compute_advantages
+from rl.learner.loss import compute_advantages
 from rl.metrics import rollout_metrics
 from rl.rollout.context import ELIDED, Turn, elide_tool_outputs
 from rl.rollout.engine_api import RolloutEngine, SamplingParams, SequenceRecord, TurnOutput

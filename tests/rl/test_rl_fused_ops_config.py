@@ -9,7 +9,6 @@ import pytest
 from kimi_kernels.fusion import set_fusion
 from rl.cluster import REPO, actor_env
 from rl.config import RolloutConfig, TrainConfig
-from rl.grpo import LossConfig
 from rl.learner import Learner
 from rl.rollout.worker import build_engine
 from tests.rl.test_rl_rollout_engine import TOY
@@ -30,10 +29,10 @@ def fusion_now() -> bool:
 
 def test_fused_ops_are_on_by_default_and_the_configs_turn_them_off(fusion_restored):
     assert TrainConfig().fused_ops and RolloutConfig().fused_ops
-    Learner(TOY, TrainConfig(), LossConfig(), 1.0, 0, 0)
+    Learner(TOY, TrainConfig(), 512, 1.0, 0, 0)
     build_engine(TOY, RolloutConfig(), seed=0)
     assert fusion_now()
-    Learner(TOY, TrainConfig(fused_ops=False), LossConfig(), 1.0, 0, 0)
+    Learner(TOY, TrainConfig(fused_ops=False), 512, 1.0, 0, 0)
     assert not fusion_now()
     set_fusion(True)
     build_engine(TOY, RolloutConfig(fused_ops=False), seed=0)

@@ -8,7 +8,7 @@ from torch import nn
 
 from policy import build_policy
 from policy.params import count_parameters
-from rl.learner_flops import active_parameters, flops_metrics, peak_flops, step_flops
+from rl.learner.flops import active_parameters, flops_metrics, peak_flops, step_flops
 
 
 def test_step_flops_count_forward_backward_and_extra_forwards():

@@ -1,7 +1,7 @@
-"""The learner on several DeepSpeed ranks (LearnerGroup, gloo, ZeRO-0/1/2), against one rank on the same
-batches: data parallel (every rank all experts) and expert parallel (two ranks split the experts).
-A supervised step and a GRPO step must give the same losses, gradient norms (clipping active), MoE
-statistics and weights afterwards; a checkpoint of the expert-parallel learner restores every rank's
+"""The learner on several DeepSpeed ranks (LearnerGroup, gloo, ZeRO-0/1/2), packed or padded micro-batches,
+against one rank on right-padded ones on the same batches: data parallel (every rank all experts) and expert
+parallel (two ranks split the experts). A supervised step and a GRPO step must give the same losses,
+gradient norms (clipping active), MoE statistics and weights afterwards; a checkpoint of the expert-parallel learner restores every rank's
 experts and optimizer state, and its exported policy holds every expert."""
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from rl.config import TrainConfig
-from rl.grpo import LossConfig
 from rl.types import RolloutBatch, Sample
 
 SPEC = {"preset": "toy", "overrides": {"vocab_size": 320}, "init_from": None}
@@ -49,14 +48,14 @@ def grpo_batch(step: int = 0) -> RolloutBatch:
 
 
 def learner_group(world: int, ep: int, **train):
-    from rl.learner_group import LearnerGroup
+    from rl.learner import LearnerGroup
 
     cfg = TrainConfig(**{**TRAIN, **train, "expert_parallel": ep})
-    return LearnerGroup(SPEC, cfg, LossConfig(), 1.0, 0, 0, [{"num_cpus": 0.25}] * world)
+    return LearnerGroup(SPEC, cfg, 512, 1.0, 0, 0, [{"num_cpus": 0.25}] * world)
 
 
 def steps(ray, group) -> tuple[dict, dict, dict[str, torch.Tensor]]:
-    sft = group.sft_step(sft_examples(), 1e-2)
+    sft = group.sft_step(sft_examples(), 1e-2).metrics
     grpo = group.train_step(ray.put(grpo_batch()))
     return sft, grpo, ray.get(group.get_weights())
 
@@ -70,34 +69,38 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 @pytest.fixture(scope="module")
 def one_rank(ray_session):
-    group = learner_group(1, 1)
+    group = learner_group(1, 1, packing=False)
     yield steps(ray_session, group)
     group.shutdown()
 
 
 def test_the_first_steps_clip_by_the_global_norm(one_rank):
     sft, grpo, _ = one_rank
-    assert sft["sft/grad_norm"] > TRAIN["grad_clip"] and grpo["metrics"]["train/grad_norm"] > TRAIN["grad_clip"]
+    assert sft["sft/grad_norm"] > TRAIN["grad_clip"] and grpo.metrics["train/grad_norm"] > TRAIN["grad_clip"]
 
 
-@pytest.mark.parametrize("ep, zero", [(1, 1), (1, 0), (2, 1), (2, 2)],
-                         ids=["data_parallel", "data_parallel_zero0", "expert_parallel", "expert_parallel_zero2"])
-def test_two_ranks_train_like_one(ray_session, one_rank, ep, zero):
+# packed: micro-batches of at most 48 tokens, so that each rank runs several (rows are 10-30 tokens)
+@pytest.mark.parametrize("world, ep, zero, packing", [(1, 1, 1, True), (2, 1, 1, True), (2, 1, 0, False),
+                                                     (2, 2, 1, True), (2, 2, 2, False)],
+                         ids=["one_rank_packed", "data_parallel_packed", "data_parallel_zero0_padded",
+                              "expert_parallel_packed", "expert_parallel_zero2_padded"])
+def test_ranks_and_packing_train_like_one_padded_rank(ray_session, one_rank, world, ep, zero, packing):
     ref_sft, ref_grpo, ref_weights = one_rank
-    group = learner_group(2, ep, zero_stage=zero)
+    group = learner_group(world, ep, zero_stage=zero, packing=packing, max_tokens_per_micro_batch=48)
     try:
         sft, grpo, weights = steps(ray_session, group)
     finally:
         group.shutdown()
     for key in ("sft/loss", "sft/grad_norm", "sft/tokens"):
         assert sft[key] == pytest.approx(ref_sft[key], rel=1e-5), key
-    m, ref = grpo["metrics"], ref_grpo["metrics"]
+    m, ref = grpo.metrics, ref_grpo.metrics
+    assert not packing or (m["train/padding_frac"] == 0 and m["train/micro_batches"] > 1)
     for key in ("train/loss", "train/grad_norm", "train/entropy", "train/tokens", "train/seq_tokens",
                 "train/routing_agreement", "train/clipped", "train/ratio", "train/mismatch/domain/math",
                 "train/mismatch/domain/tool_use", "moe/imbalance/layer1", "moe/imbalance/layer3"):
         assert m[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
-    for layer, load in ref_grpo["moe_load"].items():
-        assert grpo["moe_load"][layer] == pytest.approx(load, abs=1e-7)
+    for layer, load in ref_grpo.moe_load.items():
+        assert grpo.moe_load[layer] == pytest.approx(load, abs=1e-7)
     assert_same_weights(weights, ref_weights)
 
 
@@ -114,13 +117,13 @@ def test_expert_parallel_checkpoint_restores_every_rank(ray_session, tmp_path):
         exported = from_pretrained(tmp_path / "step_0" / "hf").state_dict()
         assert_same_weights({k: v for k, v in exported.items() if k in saved}, saved, atol=0)
         assert exported["model.layers.1.block_sparse_moe.experts.w1"].shape[0] == 8  # every expert
-        after = group.train_step(ray.put(grpo_batch()))["metrics"]
+        after = group.train_step(ray.put(grpo_batch())).metrics
         continued = ray.get(group.get_weights())
 
         restored = learner_group(2, 2)
         assert restored.load(str(tmp_path), "step_0")["step"] == 0
         assert_same_weights(ray.get(restored.get_weights()), saved, atol=0)
-        again = restored.train_step(ray.put(grpo_batch()))["metrics"]  # the optimizer state came back too
+        again = restored.train_step(ray.put(grpo_batch())).metrics  # the optimizer state came back too
         assert again["train/loss"] == pytest.approx(after["train/loss"], rel=1e-6)
         assert_same_weights(ray.get(restored.get_weights()), continued, atol=1e-7)
     finally:

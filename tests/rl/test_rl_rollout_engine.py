@@ -551,6 +551,32 @@ def test_weights_updated_mid_turn_label_each_token_with_the_version_that_sampled
     assert 5 <= out.versions.count(3) < 300 and len(out.versions) == len(out.tokens) == 300
 
 
+def test_a_token_sampled_from_prompt_logits_held_across_an_update_carries_their_version(model):
+    """A group's prompt is prefilled once and its logits held for the members' first turns: a first
+    token sampled from them after a weight update is the older weights' (it used to be labelled with
+    the newer version, so staleness was under-counted by one)."""
+    import copy
+
+    mine = copy.deepcopy(model)
+    e = engine(mine)
+
+    async def run() -> list[TurnOutput]:
+        await e.update_weights(mine.state_dict(), version=3)
+        await e.start_group(["g/0", "g/1"], list(range(10, 20)))
+        while any(e.seqs[f"g/{m}"].logits is None for m in range(2)):  # prefilled, forked, logits held
+            await asyncio.sleep(0.001)
+        await e.update_weights(mine.state_dict(), version=4)
+        turns = [e.generate(f"g/{m}", [], SamplingParams(max_new_tokens=4, temperature=1.0, stop_ids=frozenset(),
+                                                          seed=m)) for m in range(2)]
+        outs = await asyncio.gather(*turns)
+        for m in range(2):
+            await e.finish(f"g/{m}")
+        return outs
+
+    for out in asyncio.run(run()):
+        assert out.versions == [3, 4, 4, 4]
+
+
 def test_a_released_cache_frees_its_memory_and_generates_as_one_never_released(model):
     first, second = prompts(2), {f"h{k}": v for k, v in prompts(3).items()}
     kept, released = (engine(model, max_slots=8, cache_tokens=1024) for _ in range(2))

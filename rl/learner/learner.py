@@ -1,16 +1,18 @@
 """The learner: the policy inside a DeepSpeed engine, trained with GRPO (and an optional supervised
-warm-up). One `Learner` is one DeepSpeed rank in a Ray actor; rl.learner_group.LearnerGroup makes the
-ranks, joins them in one process group and drives them as one learner. With several ranks each
-trains on its share of every batch (data parallel; losses are divided by the counts over all ranks),
-and with train.expert_parallel > 1 groups of ranks split each MoE layer's routed experts
-(rl/expert_shards.py)."""
+warm-up). One `Learner` is one DeepSpeed rank in a Ray actor; rl.learner.group.LearnerGroup makes the
+ranks, joins them in one process group and drives them as one learner. Every rank receives the
+whole batch and trains on its share of each mini-batch (rl/learner/batches.py: packed micro-batches
+balanced by tokens); losses are divided by normalisers of the whole mini-batch (rl/learner/loss.py).
+With train.expert_parallel > 1 groups of ranks split each MoE layer's routed experts
+(rl/learner/experts.py)."""
 from __future__ import annotations
 
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -18,13 +20,22 @@ import torch
 from kimi_kernels.fusion import set_fusion
 from policy.dtypes import device_precision, params_to
 from rl.config import TrainConfig
-from rl.grpo import (LossConfig, TrainBatch, accumulate_policy_gradient, collate, compute_advantages, global_sum,
-                     inert_row, policy_forward, split_rows)
-from rl.learner_flops import active_parameters, flops_metrics, peak_flops, step_flops
+from rl.learner.batches import MicroBatch, Row, collate, plan_packed, plan_padded, rows_from_samples
+from rl.learner.flops import active_parameters, flops_metrics, peak_flops, step_flops
+from rl.learner.loss import accumulate_policy_gradient, compute_advantages, global_sum, loss_normaliser, policy_forward
 from rl.types import RolloutBatch, Sample
 
 if TYPE_CHECKING:
     from rl.weight_sync import SyncSpec, SyncTicket
+
+
+@dataclass
+class StepResult:
+    """What a learner step reports: metrics by name, and for a GRPO step each MoE layer's expert load
+    (share of routed tokens per expert, averaged over the step's updates; None without MoE)."""
+
+    metrics: dict[str, float]
+    moe_load: dict[int, list[float]] | None = None
 
 
 def free_port() -> int:
@@ -33,29 +44,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sft_batch(examples: list[dict[str, list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids [B, T] right-padded, loss mask [B, T] float, real-token mask [B, T] bool)."""
-    longest = max(len(e["tokens"]) for e in examples)
-    ids = torch.full((len(examples), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(examples), longest)
-    real = torch.zeros(len(examples), longest, dtype=torch.bool)
-    for i, e in enumerate(examples):
-        ids[i, : len(e["tokens"])] = torch.tensor(e["tokens"])
-        mask[i, : len(e["tokens"])] = torch.tensor(e["loss_mask"], dtype=torch.float32)
-        real[i, : len(e["tokens"])] = True
-    mask[:, 0] = 0
-    return ids, mask, real
-
-
 class Learner:
-    def __init__(self, model_spec: dict[str, Any], train_cfg: TrainConfig, loss_cfg: LossConfig,
+    def __init__(self, model_spec: dict[str, Any], train_cfg: TrainConfig, seq_norm_tokens: int,
                  temperature: float, pad_id: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
         torch.set_num_threads(train_cfg.threads)
         if not train_cfg.fused_ops:
             set_fusion(False)  # this process's compiled elementwise chains (KIMI_FUSED_OPS=0 turns off all)
         self.model_spec = model_spec
         self.cfg = train_cfg
-        self.loss_cfg = loss_cfg
+        self.seq_norm_tokens = seq_norm_tokens  # Dr.GRPO's constant length (loss_agg: seq_mean_token_sum)
         self.temperature = temperature
         self.pad_id = pad_id
         self.seed = seed
@@ -87,11 +84,11 @@ class Learner:
         model.set_activation_checkpointing(self.cfg.activation_checkpointing)
         if self.world_size > 1 and hasattr(model, "set_data_parallel"):
             model.set_data_parallel(dist.group.WORLD)
-        self.reference = None
-        if self.loss_cfg.kl_coef > 0:
-            self.reference = build_policy(self.model_spec)
-            self.reference.load_state_dict(model.state_dict())
-            self.reference.requires_grad_(False).eval()
+        # packed rows need every layer to keep sequences apart (a transformers model with recurrent
+        # layers cannot: it trains on padded rows, and the trainer says so)
+        self.packing = self.cfg.packing and getattr(model, "packs_rows", True)
+        # the KL reference: a second copy, set to the policy RL starts from by set_reference()
+        self.reference = build_policy(self.model_spec).requires_grad_(False).eval() if self.cfg.kl_coef > 0 else None
         self.active_params = active_parameters(model)  # every expert counted, before any is sharded
         ep = self.cfg.expert_parallel
         expert_names = {name for name, _ in model.routed_expert_parameters()} if ep > 1 else set()
@@ -100,8 +97,10 @@ class Learner:
         optimizer = torch.optim.AdamW([p for n, p in model.named_parameters() if n not in expert_names], **adamw)
         bf16 = device_precision(self.device) == torch.bfloat16
         ds_config = {
+            # the number of micro-batches varies from update to update (packing by tokens): the learner
+            # marks the accumulation boundary itself (_backward, _optimizer_step)
             "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": self.cfg.micro_batches,
+            "gradient_accumulation_steps": 1,
             "gradient_clipping": self.cfg.grad_clip,
             "zero_optimization": {"stage": self.cfg.zero_stage},
             "bf16": {"enabled": bf16},  # on a GPU: bf16 weights, fp32 master weights in the optimizer
@@ -113,18 +112,30 @@ class Learner:
             params_to(self.engine.module, torch.bfloat16)
         self.experts = None
         if ep > 1:  # after DeepSpeed's initial broadcast, which would copy rank 0's slice to every rank
-            from rl.expert_shards import ExpertShards, expert_parallel_groups, fold_into_global_norm
+            from rl.learner.experts import ExpertShards, expert_parallel_groups, fold_into_global_norm
 
             ep_group, replica_group = expert_parallel_groups(ep)
             self.engine.module.shard_experts(ep_group)
+            if self.reference is not None:  # the same slices as the policy: set_reference copies rank by rank
+                self.reference.shard_experts(ep_group)
             self.experts = ExpertShards(self.engine.module.routed_expert_parameters(), adamw, ep_group, replica_group)
             fold_into_global_norm(self.optimizer, self.experts)
         if self.reference is not None:
             self.reference = params_to(self.reference.to(self.device), device_precision(self.device))
+            self.set_reference()
         self.peak_flops = peak_flops(self.device)
         self.optimizer_steps = 0
         self.policy_version = 0  # GRPO batches trained on (the weights' version label)
         self._last_train_end: float | None = None
+
+    def packs(self) -> bool:
+        return self.packing
+
+    def set_reference(self) -> None:
+        """The KL term's reference becomes the policy as it is now: the trainer calls it when the
+        warm-up ends, so the KL pulls toward the weights GRPO starts from (checkpoints keep it)."""
+        if self.reference is not None:
+            self.reference.load_state_dict(self.engine.module.state_dict())
 
     # -- weights ---------------------------------------------------------------------------------
     def _full_state(self) -> dict[str, torch.Tensor] | None:
@@ -163,19 +174,30 @@ class Learner:
         if self.experts is not None:
             self.experts.set_lr(lr)
 
-    def _micro_backward(self, loss: torch.Tensor) -> None:
-        # Losses are already divided by counts over all ranks, so DeepSpeed must not rescale them for
-        # accumulation, and its average over ranks becomes the sum: times world_size.
-        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-        if not self.engine.is_gradient_accumulation_boundary():
-            self.engine.step()  # counts the micro-step; the boundary step is _complete_accumulation's
+    # -- micro-batches and optimizer steps --------------------------------------------------------
+    def _micro_batches(self, rows: Sequence[Row]) -> list[MicroBatch]:
+        """This rank's micro-batches of one mini-batch, on the device; as many on every rank."""
+        if self.packing:
+            plan = plan_packed([len(r.tokens) for r in rows], self.world_size, self.cfg.max_tokens_per_micro_batch)
+        else:
+            plan = plan_padded(len(rows), self.world_size, self.cfg.micro_batches)
+        shape = None
+        recorded = next((r.routing for r in rows if r.routing is not None), None)
+        if recorded is not None:
+            shape = tuple(recorded.shape[1:])
+        return [collate([rows[i] for i in micro], self.pad_id, self.packing, shape).to(self.device)
+                for micro in plan[self.rank]]
 
-    def _complete_accumulation(self, micro_steps_done: int) -> float:
-        """Pad to the configured micro-batch count (a small batch may split into fewer), take
-        DeepSpeed's optimizer step at the boundary (and the experts' beside it), then run the
-        model's post-step hooks. Returns the gradient norm before clipping."""
-        for _ in range(self.cfg.micro_batches - micro_steps_done):
-            self._micro_backward(sum((p * 0).sum() for p in self.engine.module.parameters()))
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        # Losses are already divided by normalisers of the whole mini-batch, so DeepSpeed must not
+        # rescale them, and its average over ranks becomes the sum: times world_size. Gradients are
+        # reduced over ranks in the backward of an update's last micro-batch.
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def _optimizer_step(self) -> float:
+        """DeepSpeed's optimizer step (and the experts' beside it) after an update's micro-batches,
+        then the model's post-step hooks. Returns the gradient norm before clipping."""
         norm = None
         if self.cfg.zero_stage == 0:  # whole gradients in p.grad, reduced over ranks in the last backward
             grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
@@ -192,52 +214,41 @@ class Learner:
         self.optimizer_steps += 1
         return norm
 
-    def _my_rows(self, n: int) -> tuple[slice | None, int]:
-        """This rank's contiguous share of n rows (None when there are fewer rows than ranks and it
-        gets none) and the micro-batch count every rank uses for them: the same on all, since each
-        forward and backward of an expert-parallel model is a collective."""
-        shares = split_rows(n, self.world_size)
-        return (shares[self.rank] if self.rank < len(shares) else None), max(1, min(self.cfg.micro_batches,
-                                                                                    n // self.world_size))
-
-    def _share(self, batch: TrainBatch) -> tuple[TrainBatch, int]:
-        """This rank's share of a GRPO mini-batch (one inert row if it gets none) and the micro-batch count."""
-        rows, micro = self._my_rows(len(batch))
-        return (batch.slice(rows) if rows is not None else inert_row(batch)), micro
+    def _padding_metrics(self, micro_batches: Sequence[MicroBatch], prefix: str) -> dict[str, float]:
+        """Token slots the forwards ran over all ranks, and the share of them that was padding."""
+        slots = global_sum(float(sum(mb.input_ids.numel() for mb in micro_batches)))
+        real = global_sum(float(sum(int(mb.token_mask.sum()) for mb in micro_batches)))
+        return {f"{prefix}/token_slots": slots, f"{prefix}/padding_frac": 1.0 - real / max(slots, 1.0),
+                f"{prefix}/micro_batches": float(len(micro_batches))}
 
     # -- supervised warm-up ----------------------------------------------------------------------
-    def sft_step(self, examples: list[dict[str, list[int]]], lr: float) -> dict[str, float]:
+    def sft_step(self, examples: list[dict[str, list[int]]], lr: float) -> StepResult:
         """One cross-entropy step on reference episodes (the policy's own tokens only); every rank
         gets the whole batch and trains on its share."""
         started = time.perf_counter()
         self._set_lr(lr)
         self.engine.train()
-        ids, mask, real = sft_batch(examples, self.pad_id)
-        total_tokens = max(float(mask.sum()), 1.0)
-        rows, micro = self._my_rows(len(ids))
-        if rows is not None:
-            ids, mask, real = ids[rows], mask[rows], real[rows]
-        else:  # inert: one real token, no target
-            ids, mask, real = ids[:1, :1], torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool)
-        ids, mask, real = ids.to(self.device), mask.to(self.device), real.to(self.device)
-        loss_total, done = 0.0, 0
-        for rows in split_rows(len(ids), micro):
-            logp = self.engine(ids[rows], return_token_logprobs=True, token_mask=real[rows]).token_logprobs
-            loss = -(logp * mask[rows]).sum() / total_tokens
-            self._micro_backward(loss)
+        rows = [Row(e["tokens"], e["loss_mask"]) for e in examples]
+        total_tokens = float(max(sum(r.targets for r in rows), 1))
+        micro_batches = self._micro_batches(rows)
+        loss_total = 0.0
+        for i, mb in enumerate(micro_batches):
+            logp = policy_forward(self.engine, mb).token_logprobs
+            loss = -(logp * mb.loss_mask).sum() / total_tokens
+            self._backward(loss, last=i == len(micro_batches) - 1)
             loss_total += float(loss.detach())
-            done += 1
-        grad_norm = self._complete_accumulation(done)
+        grad_norm = self._optimizer_step()
         self._set_lr(self.cfg.lr)
         # the step is done once the loss and norm are on the host: their reads wait for the device
-        return {"sft/loss": global_sum(loss_total), "sft/grad_norm": grad_norm, "sft/tokens": total_tokens,
-                "sft/step_s": time.perf_counter() - started}
+        metrics = {"sft/loss": global_sum(loss_total), "sft/grad_norm": grad_norm, "sft/tokens": total_tokens,
+                   **self._padding_metrics(micro_batches, "sft"), "sft/step_s": time.perf_counter() - started}
+        return StepResult(metrics)
 
     # -- GRPO ------------------------------------------------------------------------------------
-    def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
-        """One GRPO step on a batch of whole groups; returns metrics and the MoE expert load. Every
-        rank gets the whole batch: advantages and normalisers need all of it; each trains on its
-        share of every mini-batch."""
+    def train_step(self, batch: RolloutBatch) -> StepResult:
+        """One GRPO step on a batch of whole groups: `updates_per_step` optimizer steps, one per
+        mini-batch of whole groups. Every rank gets the whole batch (advantages and normalisers
+        need all of it) and trains on its share of every mini-batch."""
         started = time.monotonic()
         idle = None if self._last_train_end is None else started - self._last_train_end
         samples = batch.samples
@@ -248,50 +259,39 @@ class Learner:
         metrics.update(staleness_metrics(samples, batch.step))
         adv = compute_advantages([s.reward for s in samples], [s.group_uid for s in samples], self.cfg.adv_std_norm,
                                  episode_keys=[s.episode for s in samples])
-        if not samples or not np.any(adv != 0):
-            # Nothing to learn from: no optimizer step (AdamW's momentum would still move the
-            # weights on a zero gradient); the version advances so every step has its own.
-            self.policy_version = batch.step + 1
+        rows = rows_from_samples(samples, adv)
+        minis = [rows[part] for part in group_rows(samples, self.cfg.updates_per_step)]
+        # an update whose advantages are all zero has no policy gradient (and, without KL, no
+        # gradient at all): AdamW would still move the weights (momentum, weight decay), so none is taken
+        learns = [self.cfg.kl_coef > 0 or any(r.advantage != 0 for r in mini) for mini in minis]
+        if not any(learns):
+            self.policy_version = batch.step + 1  # every step has its own version, trained or not
             self._last_train_end = time.monotonic()
-            metrics.update({"train/tokens": 0.0, "train/skipped": 1.0})
-            return {"metrics": metrics, "moe_load": None}
-        full = collate(samples, adv, self.pad_id)
+            metrics.update({"train/tokens": 0.0, "train/skipped": 1.0, "train/skipped_updates": float(len(minis))})
+            return StepResult(metrics)
+        plans = [self._micro_batches(mini) if go else [] for mini, go in zip(minis, learns)]
+        self._prepare_logprobs([mb for plan in plans for mb in plan])
         policy = _TemperatureScaled(self.engine, self.temperature)
-        # each update's mini-batch (whole groups), this rank's share of it
-        shares = [self._share(full.slice(rows)) for rows in group_rows(samples, self.cfg.updates_per_step)]
-        shares = [(part.to(self.device), micro) for part, micro in shares]
-        with torch.no_grad():
-            for part, micro in shares:
-                if self.reference is not None:
-                    ref = _TemperatureScaled(self.reference, self.temperature)
-                    part.ref_logprobs = torch.cat([policy_forward(ref, part.slice(r)).token_logprobs
-                                                   for r in split_rows(len(part), micro)])
-                if self.loss_cfg.proximal == "learner" and self.cfg.updates_per_step > 1:
-                    # decoupled PPO: the proximal policy is the one this step starts from
-                    part.prox_logprobs = torch.cat([policy_forward(policy, part.slice(r)).token_logprobs
-                                                    for r in split_rows(len(part), micro)])
         totals: dict[str, float] = {}
         moe_load: dict[int, list[float]] = {}
         agreements: list[float] = []
-        all_tokens = global_sum(sum(float(part.loss_mask.sum()) for part, _ in shares))
-        for part, micro in shares:
-            done = {"n": 0}
-
-            def backward(loss: torch.Tensor) -> None:
-                self._micro_backward(loss)
-                done["n"] += 1
-
-            stats = accumulate_policy_gradient(policy, part, self.loss_cfg, micro, backward)
+        all_tokens = float(sum(r.targets for mini, go in zip(minis, learns) if go for r in mini))
+        updates = sum(learns)
+        for mini, micro_batches in zip(minis, plans):
+            if not micro_batches:
+                continue
+            stats = accumulate_policy_gradient(policy, micro_batches, self.cfg,
+                                               loss_normaliser(mini, self.cfg, self.seq_norm_tokens), self._backward)
             module = self.engine.module
             moe = module.moe_statistics() if hasattr(module, "moe_statistics") else {"load": {}}
-            stats["grad_norm"] = self._complete_accumulation(done["n"])
+            stats["grad_norm"] = self._optimizer_step()
             for layer, load in moe["load"].items():
-                moe_load[layer] = [a + b / self.cfg.updates_per_step for a, b in
-                                   zip(moe_load.get(layer, [0.0] * len(load)), load)]
+                moe_load[layer] = [a + b / updates for a, b in zip(moe_load.get(layer, [0.0] * len(load)), load)]
             if moe.get("routing_agreement") is not None:
                 agreements.append(moe["routing_agreement"])
-            merge_update_stats(totals, stats, stats["tokens"] / max(all_tokens, 1.0), 1.0 / len(shares))
+            merge_update_stats(totals, stats, sum(r.targets for r in mini) / max(all_tokens, 1.0), 1.0 / updates)
         metrics["train/advantage_abs"] = float(np.abs(adv).mean())
+        metrics["train/skipped_updates"] = float(len(minis) - updates)
         for name, value in totals.items():
             metrics[f"train/{name}"] = value
         if agreements:
@@ -301,19 +301,42 @@ class Learner:
         self.policy_version = batch.step + 1
         self._last_train_end = time.monotonic()
         metrics["time/learner_step_s"] = self._last_train_end - started
+        every = [mb for plan in plans for mb in plan]
+        metrics.update(self._padding_metrics(every, "train"))
         # every real token forwarded on every rank, prompt included (not padding)
-        seq_tokens = int(global_sum(float(sum(int(part.token_mask.sum()) for part, _ in shares))))
-        extra = int(self.reference is not None) + int(shares[0][0].prox_logprobs is not None)
+        seq_tokens = int(global_sum(float(sum(int(mb.token_mask.sum()) for mb in every))))
+        extra = int(self.reference is not None) + int(self._needs_proximal())
         metrics["train/seq_tokens"] = float(seq_tokens)
         peak = None if self.peak_flops is None else self.peak_flops * self.world_size
         metrics.update(flops_metrics(step_flops(self.active_params, seq_tokens, extra),
                                      metrics["time/learner_step_s"], peak))
-        return {"metrics": metrics, "moe_load": moe_load or None}
+        return StepResult(metrics, moe_load or None)
+
+    def _needs_proximal(self) -> bool:
+        return self.cfg.off_policy.proximal == "learner" and self.cfg.updates_per_step > 1
+
+    @torch.no_grad()
+    def _prepare_logprobs(self, micro_batches: Sequence[MicroBatch]) -> None:
+        """The logprobs every update of the step needs before the first one changes the weights: the
+        KL reference's, and (decoupled PPO over several updates) the proximal policy's. These
+        forwards run in eval mode: only training forwards add to the MoE and QK-Clip statistics."""
+        if self.reference is not None:
+            ref = _TemperatureScaled(self.reference, self.temperature)
+            for mb in micro_batches:
+                mb.ref_logprobs = policy_forward(ref, mb).token_logprobs
+        if self._needs_proximal():
+            self.engine.eval()
+            try:
+                policy = _TemperatureScaled(self.engine, self.temperature)
+                for mb in micro_batches:
+                    mb.prox_logprobs = policy_forward(policy, mb).token_logprobs
+            finally:
+                self.engine.train()
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
-        """Every rank: DeepSpeed's state (its ZeRO partition), this rank's experts when sharded;
-        rank 0 also exports the whole policy to `tag/hf`."""
+        """Every rank: DeepSpeed's state (its ZeRO partition), this rank's experts when sharded, the KL
+        reference (this rank's slices of it); rank 0 also exports the whole policy to `tag/hf`."""
         from policy import save_policy
 
         state = {**client_state, "optimizer_steps": self.optimizer_steps, "policy_version": self.policy_version}
@@ -321,7 +344,9 @@ class Learner:
         # tokenizer, scheduler state) is on disk, so a run killed mid-save resumes from the one before
         self.engine.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
         if self.experts is not None:
-            torch.save(self.experts.state_dict(), self._experts_file(directory, tag))
+            torch.save(self.experts.state_dict(), self._rank_file(directory, tag, "experts"))
+        if self.reference is not None and (self.rank == 0 or self.experts is not None):
+            torch.save(self.reference.state_dict(), self._rank_file(directory, tag, "reference"))
         whole = self._full_state()
         if self.rank == 0:
             save_policy(self.engine.module, str(Path(directory) / tag / "hf"), state=whole)
@@ -329,13 +354,19 @@ class Learner:
     def load(self, directory: str, tag: str) -> dict[str, Any]:
         _, client_state = self.engine.load_checkpoint(directory, tag=tag)
         if self.experts is not None:  # DeepSpeed's module file is rank 0's: its experts are rank 0's slice
-            self.experts.load_state_dict(torch.load(self._experts_file(directory, tag), weights_only=False))
+            self.experts.load_state_dict(torch.load(self._rank_file(directory, tag, "experts"), weights_only=False))
+        if self.reference is not None:
+            path = self._rank_file(directory, tag, "reference", self.rank if self.experts is not None else 0)
+            if not path.exists():
+                raise RuntimeError(f"{Path(directory) / tag} holds no KL reference ({path.name}): it was saved "
+                                   f"with train.kl_coef 0; resume it with train.kl_coef=0")
+            self.reference.load_state_dict(torch.load(path, weights_only=True, map_location=self.device))
         self.optimizer_steps = int(client_state["optimizer_steps"])
         self.policy_version = int(client_state["policy_version"])
         return client_state
 
-    def _experts_file(self, directory: str, tag: str) -> Path:
-        return Path(directory) / tag / f"experts_rank{self.rank:03d}.pt"
+    def _rank_file(self, directory: str, tag: str, what: str, rank: int | None = None) -> Path:
+        return Path(directory) / tag / f"{what}_rank{self.rank if rank is None else rank:03d}.pt"
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -369,10 +400,11 @@ def group_rows(samples: list[Sample], parts: int) -> list[slice]:
 
 
 def staleness_metrics(samples: list[Sample], step: int) -> dict[str, float]:
-    """How many policy versions behind the trained weights each sample's oldest token is."""
-    if not samples:
+    """How many policy versions behind the trained weights each sample's oldest token is. A sample
+    with no generated token was sampled by no weights: it has no staleness and is left out."""
+    lags = np.array([step - s.weight_version for s in samples if s.weight_version >= 0])
+    if not len(lags):
         return {}
-    lags = np.array([step - s.weight_version for s in samples])
     out = {"async/staleness_mean": float(lags.mean()), "async/staleness_max": float(lags.max())}
     for lag in np.unique(lags):
         out[f"async/staleness/{int(lag)}"] = float((lags == lag).mean())

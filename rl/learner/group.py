@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from rl.config import TrainConfig
-from rl.grpo import LossConfig
+from rl.learner.learner import StepResult
 
 
 def wait_all(refs: list) -> list:
@@ -30,15 +30,15 @@ def wait_all(refs: list) -> list:
 
 
 class LearnerGroup:
-    def __init__(self, model_spec: dict[str, Any], train_cfg: TrainConfig, loss_cfg: LossConfig,
+    def __init__(self, model_spec: dict[str, Any], train_cfg: TrainConfig, seq_norm_tokens: int,
                  temperature: float, pad_id: int, seed: int, actor_options: list[dict[str, Any]],
                  name: str | None = None) -> None:
-        from rl.learner import Learner
+        from rl.learner.learner import Learner
 
         world = len(actor_options)
         self.actors = [
             ray.remote(Learner).options(**opts, **({"name": f"{name}-{r}"} if name else {}))
-            .remote(model_spec, train_cfg, loss_cfg, temperature, pad_id, seed, r, world)
+            .remote(model_spec, train_cfg, seq_norm_tokens, temperature, pad_id, seed, r, world)
             for r, opts in enumerate(actor_options)
         ]
         self._inflight: list = []
@@ -64,12 +64,20 @@ class LearnerGroup:
         return refs[0]
 
     # -- the learner's interface ----------------------------------------------------------------------
-    def sft_step(self, examples: list[dict[str, list[int]]], lr: float) -> dict[str, float]:
+    def sft_step(self, examples: list[dict[str, list[int]]], lr: float) -> StepResult:
         return self._on_all("sft_step", examples, lr)[0]
 
-    def train_step(self, batch_ref) -> dict[str, Any]:
+    def train_step(self, batch_ref) -> StepResult:
         """batch_ref: an ObjectRef of a RolloutBatch; Ray resolves it in each rank, never here."""
         return self._on_all("train_step", batch_ref)[0]
+
+    def set_reference(self) -> None:
+        """The KL reference becomes the policy as it is now (when the warm-up ends)."""
+        self._on_all("set_reference")
+
+    def packing(self) -> bool:
+        """Whether the micro-batches are packed (asked for, and the model keeps sequences apart)."""
+        return ray.get(self.actors[0].packs.remote())
 
     def get_weights(self):
         """ObjectRef of the whole state dict (rank 0's)."""

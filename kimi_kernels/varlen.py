@@ -1,0 +1,68 @@
+"""Packed rows: several sequences laid end to end in one row [1, T], their boundaries given as
+`cu_seqlens` [N+1] (fla's and flash-attn's convention: cu_seqlens[0] = 0, cu_seqlens[N] = T,
+sequence n holds positions cu_seqlens[n] .. cu_seqlens[n+1] - 1). The ops that mix tokens (KDA,
+the short conv, attention) take it and never let one sequence see another; per-token ops need
+nothing. This module holds the bookkeeping they share."""
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int, who: str) -> None:
+    """cu_seqlens must describe a packed row [1, length]: start at 0, end at `length`, never decrease."""
+    if batch != 1:
+        raise ValueError(f"{who}: cu_seqlens packs sequences into one row: batch must be 1, got {batch}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{who}: cu_seqlens must be an integer tensor [N+1] with N >= 1, "
+                         f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    # host reads: the boundaries are built on the host by the learner's collator, and a wrong one would
+    # silently mix sequences
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0 or last != length or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(f"{who}: cu_seqlens must rise from 0 to the row's length {length}, "
+                         f"got {cu_seqlens.tolist()}")
+
+
+def segment_ids(cu_seqlens: Tensor, length: int) -> Tensor:
+    """[length] long: the sequence each position belongs to."""
+    positions = torch.arange(length, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+
+
+def segment_starts(cu_seqlens: Tensor, length: int) -> Tensor:
+    """[length] bool: True at the first position of each sequence."""
+    starts = torch.zeros(length + 1, dtype=torch.bool, device=cu_seqlens.device)
+    starts[cu_seqlens[:-1].long()] = True
+    return starts[:length]
+
+
+def positions_in_segment(cu_seqlens: Tensor, length: int) -> Tensor:
+    """[length] long: each position's offset from the start of its sequence."""
+    seg = segment_ids(cu_seqlens, length)
+    return torch.arange(length, device=cu_seqlens.device) - cu_seqlens.long()[seg]
+
+
+def repad_index(cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+    """(index [N, L], real [N, L] bool), L the longest sequence: index[n, i] is the packed position
+    of token i of sequence n (0 where the sequence has ended), so packed[index] is the right-padded
+    batch and real marks its tokens."""
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    longest = max(int(lengths.max()), 1)
+    offsets = torch.arange(longest, device=cu.device)
+    real = offsets[None, :] < lengths[:, None]
+    index = torch.where(real, cu[:-1, None] + offsets[None, :], torch.zeros_like(offsets)[None, :])
+    return index, real
+
+
+def to_padded(x: Tensor, index: Tensor) -> Tensor:
+    """Packed x [1, T, ...] -> right-padded [N, L, ...] (padding holds copies of token 0: mask it)."""
+    return x[0][index]
+
+
+def to_packed(y: Tensor, index: Tensor, real: Tensor, length: int) -> Tensor:
+    """Right-padded y [N, L, ...] -> packed [1, length, ...]: the real tokens, back in place."""
+    out = y.new_zeros(length, *y.shape[2:])
+    return out.index_copy(0, index[real], y[real]).unsqueeze(0)

@@ -1,0 +1,80 @@
+"""Packed rows (cu_seqlens): KDA and the short conv over several sequences laid end to end equal each
+sequence run alone, in float64 to 1e-10, chunks straddling the boundaries or not, gradients included;
+bad boundaries are refused in one line."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimi_kernels.kda import kda, kda_chunk, kda_recurrent
+from kimi_kernels.ops import short_conv
+from kimi_kernels.varlen import positions_in_segment, repad_index, segment_ids, to_packed, to_padded
+from test_kernels_kda import make_inputs
+
+LENGTHS = [[70], [5, 64, 1, 30], [64, 64], [1, 1, 1], [10, 0, 50, 3], [130, 7, 65]]
+
+
+def cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
+def each_alone(fn, lengths, *xs):
+    bounds = cu(lengths).tolist()
+    return torch.cat([fn(*(x[:, a:b] for x in xs)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a], 1)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("chunk_size", [64, 16, 8])
+def test_kda_packed_equals_each_sequence_alone(lengths, chunk_size):
+    q, k, v, g, beta, _ = make_inputs(B=1, T=sum(lengths), gate="lb", seed=sum(lengths))
+    alone = each_alone(lambda *x: kda_recurrent(*x)[0], lengths, q, k, v, g, beta)
+    packed, _ = kda_chunk(q, k, v, g, beta, cu_seqlens=cu(lengths), chunk_size=chunk_size)
+    assert (packed - alone).abs().max().item() < 1e-10
+    oracle, _ = kda_recurrent(q, k, v, g, beta, cu_seqlens=cu(lengths))
+    assert (oracle - alone).abs().max().item() < 1e-10
+    whole, _ = kda_chunk(q, k, v, g, beta, chunk_size=chunk_size)
+    assert len(lengths) == 1 or (whole - alone).abs().max().item() > 1e-3  # the boundaries mattered
+
+
+def test_kda_packed_gradients_equal_each_sequence_alone():
+    lengths = [37, 64, 9]
+    inputs = [x.requires_grad_(True) for x in make_inputs(B=1, T=110, gate="softplus", seed=5)[:5]]
+    weight = torch.randn(1, 110, *inputs[2].shape[2:], dtype=torch.float64)
+    packed, _ = kda(*inputs, cu_seqlens=cu(lengths))
+    grads = torch.autograd.grad((packed * weight).sum(), inputs)
+    alone = each_alone(lambda *x: kda_recurrent(*x)[0], lengths, *inputs)
+    expected = torch.autograd.grad((alone * weight).sum(), inputs)
+    for a, b in zip(grads, expected):
+        assert (a - b).abs().max().item() < 1e-10
+
+
+def test_kda_packed_refuses_states_and_bad_boundaries():
+    q, k, v, g, beta, h0 = make_inputs(B=1, T=10, seed=1)
+    with pytest.raises(ValueError, match="starts every sequence from zero"):
+        kda_chunk(q, k, v, g, beta, initial_state=h0[:1], cu_seqlens=cu([4, 6]))
+    with pytest.raises(ValueError, match="rise from 0 to the row's length 10"):
+        kda_chunk(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4, 9]))
+    q2, k2, v2, g2, beta2, _ = make_inputs(B=2, T=10, seed=1)
+    with pytest.raises(ValueError, match="batch must be 1"):
+        kda_chunk(q2, k2, v2, g2, beta2, cu_seqlens=cu([4, 6]))
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 9, 3], [2, 2, 2], [12]], ids=str)
+def test_short_conv_never_reaches_across_a_boundary(lengths):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, sum(lengths), 6, dtype=torch.float64, generator=gen)
+    w = torch.randn(6, 4, dtype=torch.float64, generator=gen)
+    packed, _ = short_conv(x, w, cu_seqlens=cu(lengths))
+    alone = each_alone(lambda part: short_conv(part, w)[0], lengths, x)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-14)
+
+
+def test_repadding_round_trips():
+    lengths = [3, 0, 5, 1]
+    x = torch.arange(9.0)[None, :, None]
+    index, real = repad_index(cu(lengths))
+    padded = to_padded(x, index)
+    assert padded.shape == (4, 5, 1) and real.sum() == 9
+    assert torch.equal(to_packed(padded, index, real, 9), x)
+    assert segment_ids(cu(lengths), 9).tolist() == [0, 0, 0, 2, 2, 2, 2, 2, 3]
+    assert positions_in_segment(cu(lengths), 9).tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0]
