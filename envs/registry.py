@@ -196,8 +196,10 @@ def load_file_class(spec: str) -> type[Environment]:
         sys.modules[mod_name] = module
         try:
             file_spec.loader.exec_module(module)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's file may do anything at import
+        except BaseException as exc:  # noqa: BLE001 - a user's file may do anything at import, sys.exit too
             del sys.modules[mod_name]
+            if isinstance(exc, KeyboardInterrupt):  # the user's own Ctrl-C stays one
+                raise
             raise EnvRegistryError(f"environment file {path} failed at import: {_import_failure(exc)}") from None
         _ship_by_value(module)
     if not hasattr(module, cls_name):
