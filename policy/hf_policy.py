@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +32,7 @@ class HFPolicy(nn.Module):
     """Registers the transformers model's own children (`model`, `lm_head`, ...) so that
     state_dict() names are exactly the transformers model's."""
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, share_prefixes: bool = True) -> None:
         super().__init__()
         cfg = hf_model.config
         for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
@@ -41,6 +43,9 @@ class HFPolicy(nn.Module):
         for name, child in hf_model.named_children():
             self.add_module(name, child)
         self.config = cfg
+        # a packed row's sequences that begin alike (a GRPO group's prompt) run their common prefix once
+        self.share_prefixes = share_prefixes
+        self.forwarded_tokens = 0  # tokens the model ran since construction (shared prefixes once)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "HFPolicy":
@@ -70,20 +75,28 @@ class HFPolicy(nn.Module):
                              "(set rollout.record_routing=false)")
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"HFPolicy.forward: input_ids must be [B, T>=1], got {tuple(input_ids.shape)}")
+        tree = None
         if cu_seqlens is None:
             h = self.hf.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+            self.forwarded_tokens += input_ids.numel()
         else:
             if not self.packs_rows:
                 raise ValueError(f"HFPolicy: {self.config.model_type} has layers a packed row would leak "
                                  f"state through; train it on padded rows (train.packing=false)")
             check_cu_seqlens(cu_seqlens, input_ids.shape[0], input_ids.shape[1], "HFPolicy.forward")
-            positions = positions_in_segment(cu_seqlens, input_ids.shape[1])[None]
+            tree = shared_prefix_tree(input_ids[0], cu_seqlens) if self.share_prefixes else None
+            if tree is None:
+                ids, positions = input_ids, positions_in_segment(cu_seqlens, input_ids.shape[1])[None]
+                repad = repad_index(cu_seqlens)
+            else:
+                ids, positions, repad = tree.ids[None], tree.positions[None], (tree.index, tree.owned)
             with _attention_implementation(self.hf.config, PACKED_ATTENTION):
-                h = self.hf.base_model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                       kimi_cu_seqlens=cu_seqlens).last_hidden_state
+                h = self.hf.base_model(input_ids=ids, position_ids=positions, use_cache=False,
+                                       kimi_repad=repad).last_hidden_state
+            self.forwarded_tokens += ids.numel()
         head = self.hf.get_output_embeddings()
         if not return_token_logprobs:
-            logits = head(h).float()
+            logits = head(h if tree is None else h[:, tree.to_tree]).float()
             return CausalLMOutput(logits if logit_scale == 1.0 else logits * logit_scale)
         if head.bias is not None:
             raise ValueError("HFPolicy: an output projection with a bias is not supported")
@@ -93,6 +106,8 @@ class HFPolicy(nn.Module):
             rows = token_mask[:, 1:].to(torch.bool)
         if cu_seqlens is not None:  # a sequence's first token is no prediction of the one before it
             rows = rows & ~segment_starts(cu_seqlens, T)[None, 1:]
+        if tree is not None:
+            return tree.token_logprobs(h[0], head.weight, rows[0], logit_scale)
         logp, ent = linear_token_logprobs(h[:, :-1][rows], head.weight, input_ids[:, 1:][rows], logit_scale)
         full_logp = torch.zeros(B, T - 1, dtype=logp.dtype, device=h.device).masked_scatter(rows, logp)
         full_ent = torch.zeros(B, T - 1, dtype=ent.dtype, device=h.device).masked_scatter(rows, ent)
@@ -125,21 +140,126 @@ PACKED_ATTENTION = "kimi_packed"
 
 def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      kimi_cu_seqlens: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                      kimi_repad: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention call on a packed row: query [1, H, T, D], key/value [1, Hkv, T, D]
     re-padded into one row per sequence and attended causally (padding comes after each row's
     tokens, so no query sees it), then packed again: [1, T, H, D] as transformers expects.
-    Registered under PACKED_ATTENTION, a name with no mask function: transformers builds no mask."""
-    if kimi_cu_seqlens is None:
-        raise ValueError("packed attention needs kimi_cu_seqlens (HFPolicy.forward passes it)")
-    index, real = repad_index(kimi_cu_seqlens)
+    kimi_repad (index [N, L], owned [N, L]): row n's token i is packed position index[n, i]; each
+    packed position's output is taken from the one row that owns it (a shared prefix appears in
+    every row of its group, owned by the first). Registered under PACKED_ATTENTION, a name with no
+    mask function: transformers builds no mask."""
+    if kimi_repad is None:
+        raise ValueError("packed attention needs kimi_repad (HFPolicy.forward passes it)")
+    index, owned = kimi_repad
     pad = lambda t: t[0][:, index].transpose(0, 1)  # noqa: E731 [H, T, D] -> [N, H, L, D]
     groups = query.shape[1] // key.shape[1]
     out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scaling,
                                          enable_gqa=groups > 1)  # [N, H, L, D]
     T = query.shape[2]
-    packed = out.new_zeros(T, out.shape[1], out.shape[3]).index_copy(0, index[real], out.transpose(1, 2)[real])
+    packed = out.new_zeros(T, out.shape[1], out.shape[3]).index_copy(0, index[owned], out.transpose(1, 2)[owned])
     return packed.unsqueeze(0), None
+
+
+# a common prefix shorter than this runs once per sequence: too little to save for the bookkeeping
+MIN_SHARED_PREFIX = 8
+
+
+@dataclass
+class PrefixTree:
+    """A packed row [T] whose runs of neighbouring sequences with a common prefix (a GRPO group's
+    prompt) hold it once: [prefix, rest of sequence 1, rest of sequence 2, ...], Tc <= T tokens.
+    Every token keeps its own position and sees exactly what it saw in its sequence (the prefix,
+    then its own tokens), so hidden states and logprobs are the unshared row's; the prefix's
+    gradient is the sum of its sequences'."""
+
+    ids: torch.Tensor  # [Tc] the tree's tokens
+    positions: torch.Tensor  # [Tc] each token's position in its sequence
+    to_tree: torch.Tensor  # [T] where each token of the packed row sits in the tree
+    index: torch.Tensor  # [N, L] attention rows: sequence n's token i is tree token index[n, i]
+    owned: torch.Tensor  # [N, L] bool: the row whose output a tree token takes (a prefix's: its run's first)
+
+    def token_logprobs(self, h: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
+                       logit_scale: float) -> CausalLMOutput:
+        """HFPolicy.forward's token logprobs [1, T] from the tree's hidden states h [Tc, d]: each tree
+        token's logprob once (given its parent: the token before it in its sequence), copied to every
+        position of the packed row it stands for. rows [T-1]: the positions 1.. that need one."""
+        child = self.to_tree[1:][rows]
+        parent = self.to_tree[:-1][rows]
+        unique, first = _first_occurrences(child)
+        logp, ent = linear_token_logprobs(h[parent[first]], weight, self.ids[unique], logit_scale)
+        slot = torch.full((self.ids.shape[0],), -1, dtype=torch.long, device=h.device)
+        slot[unique] = torch.arange(unique.numel(), device=h.device)
+        at = slot[child]  # which computed logprob each needed position takes
+        T = self.to_tree.shape[0]
+        full_logp = torch.zeros(T - 1, dtype=logp.dtype, device=h.device).masked_scatter(rows, logp[at])
+        full_ent = torch.zeros(T - 1, dtype=ent.dtype, device=h.device).masked_scatter(rows, ent[at])
+        return CausalLMOutput(None, token_logprobs=F.pad(full_logp, (1, 0))[None],
+                              token_entropy=F.pad(full_ent, (1, 0))[None])
+
+
+def _first_occurrences(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the distinct values of x, sorted; the index in x of each one's first occurrence)."""
+    unique, inverse = torch.unique(x, sorted=True, return_inverse=True)
+    first = torch.full((unique.numel(),), x.numel(), dtype=torch.long, device=x.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(x.numel(), device=x.device), reduce="amin")
+    return unique, first
+
+
+def shared_prefix_tree(ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                       min_shared: int = MIN_SHARED_PREFIX) -> PrefixTree | None:
+    """The tree of a packed row ids [T] (boundaries cu_seqlens) whose neighbouring sequences share
+    at least `min_shared` leading tokens; None where none do. A run's shared prefix is what all its
+    sequences begin with, short of each one's last token (every sequence keeps a token of its own).
+    Read on the host: the learner builds its rows there."""
+    tokens = ids.detach().cpu().numpy()
+    cu = cu_seqlens.detach().cpu().numpy().astype(np.int64)
+    seqs = [tokens[a:b] for a, b in zip(cu[:-1], cu[1:])]
+    runs: list[tuple[int, int, int]] = []  # (first sequence, end, shared length)
+    i = 0
+    while i < len(seqs):
+        shared, j = len(seqs[i]) - 1, i + 1
+        while j < len(seqs):
+            common = min(shared, _common_prefix(seqs[i], seqs[j]), len(seqs[j]) - 1)
+            if common < min_shared:
+                break
+            shared, j = common, j + 1
+        runs.append((i, j, shared if j > i + 1 else 0))
+        i = j
+    if all(p == 0 for _, _, p in runs):
+        return None
+    tree_ids, positions = [], []
+    to_tree = np.empty(len(tokens), dtype=np.int64)
+    longest = max(len(s) for s in seqs)
+    index = np.zeros((len(seqs), longest), dtype=np.int64)
+    owned = np.zeros((len(seqs), longest), dtype=bool)
+    size = 0
+    for first, end, shared in runs:
+        prefix = np.arange(size, size + shared)
+        tree_ids.append(seqs[first][:shared])
+        positions.append(np.arange(shared))
+        size += shared
+        for n in range(first, end):
+            rest = len(seqs[n]) - shared
+            own = np.arange(size, size + rest)
+            tree_ids.append(seqs[n][shared:])
+            positions.append(np.arange(shared, len(seqs[n])))
+            size += rest
+            where = np.concatenate([prefix, own])
+            to_tree[cu[n]:cu[n + 1]] = where
+            index[n, :len(where)] = where
+            owned[n, :len(where)] = True
+            if n != first:
+                owned[n, :shared] = False  # the run's first sequence gives the prefix its output
+    as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(ids.device)  # noqa: E731
+    return PrefixTree(as_long(np.concatenate(tree_ids)).long(), as_long(np.concatenate(positions)),
+                      as_long(to_tree), as_long(index), torch.from_numpy(owned).to(ids.device))
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 @contextmanager
