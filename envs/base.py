@@ -128,6 +128,13 @@ class Environment:
         """Strings that must never be readable inside the sandbox (hidden tests, answer files)."""
         return []
 
+    @classmethod
+    def domains(cls, **kwargs: Any) -> dict[str, dict[str, Any]]:
+        """The domains this class declares, a family under its registered name: {member: the constructor
+        kwargs that make it}, reached as `NAME:member` (`math:add-9x2`). `kwargs` are a config entry's (a
+        dataset family finds its subsets in the files they name). Empty: the class is one domain."""
+        return {}
+
     def gate_adversaries(self, builtin: list[Adversary]) -> list[Adversary]:
         """The adversaries the quality gate runs on this environment: the built-in ones, plus any of
         your own (`return [*builtin, MyCheat()]`). Every name that ran is listed in the report."""

@@ -48,7 +48,8 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="print JSON inst
     if as_json:
         typer.echo(json.dumps([asdict(s) for s in specs], indent=1, default=str))
         return
-    typer.echo(f"{'name':<16} {'domain':<14} {'tools':<10} {'train':>6} {'heldout':>7}  last check (this class version)")
+    typer.echo(f"{'name':<16} {'domain':<14} {'tools':<10} {'train':>6} {'heldout':>7} {'domains':>7}  "
+               f"last check (this class version)")
     for s in specs:
         sizes = s.dataset_sizes or {}
         if s.last_check is None:
@@ -58,7 +59,24 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="print JSON inst
         if s.error:
             check = f"ERROR: {s.error[:80]}"
         typer.echo(f"{s.name:<16} {s.domain:<14} {','.join(s.tools) or '-':<10} {sizes.get('train', '-'):>6} "
-                   f"{sizes.get('heldout', '-'):>7}  {check}")
+                   f"{sizes.get('heldout', '-'):>7} {s.domains or '-':>7}  {check}")
+
+
+@env_app.command("domains")
+def domains_cmd(
+    pattern: str = typer.Argument(..., help="a family or a pattern over its domains: math, 'math:add-*', '*:*'"),
+    kwarg: Optional[list[str]] = typer.Option(None, "--kwarg", "-k", help="the entry's kwargs (data_files=...)"),
+) -> None:
+    """List the domains a family declares (what a run config's `name: FAMILY:PATTERN` expands to)."""
+    from envs.families import SEP, match
+    from envs.registry import family_domains
+
+    kwargs = _parse_kwargs(kwarg or [])
+    with _registry_errors():
+        for domain in match(pattern if SEP in pattern else f"{pattern}{SEP}*", kwargs):
+            family, _, member = domain.partition(SEP)
+            made_by = family_domains(family, kwargs)[member]
+            typer.echo(f"{domain:<32} {', '.join(f'{k}={v!r}' for k, v in made_by.items())}")
 
 
 @env_app.command("check")

@@ -21,6 +21,7 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 import time
 import types
@@ -32,6 +33,8 @@ from typing import Any, Callable, Sequence
 from envs.base import Environment
 
 ENTRY_POINT_GROUP = "rl.envs"
+SEP = ":"  # a family's domains are named FAMILY:member (envs.families)
+MEMBER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 
 
 class EnvRegistryError(ValueError):
@@ -60,6 +63,7 @@ class EnvSpec:
     error: str | None = None  # set when the env could not be loaded or built
     class_version: str | None = None
     older_checks: int = 0  # verdicts recorded for other (earlier) versions of the class
+    domains: int = 0  # the family's domains (NAME:member) with no kwargs given
 
 
 @dataclass(frozen=True)
@@ -70,11 +74,14 @@ class EnvRecipe:
     name: str
     cls: type[Environment]
     kwargs: dict[str, Any]
+    domain: str = ""  # a family's domain (`math:add-9x2`): what the instance reports as its domain
 
     def make(self) -> Environment:
         env = self.cls(**self.kwargs)
         if env.name != self.name:  # presets and renamed registrations report the name they were made under
             env.name = self.name
+        if self.domain:  # metrics, held-out tables and samples are kept per domain
+            env.domain = self.domain
         return env
 
 
@@ -91,6 +98,7 @@ _BUILTINS: list[tuple[str, str, dict[str, Any]]] = [
     ("shell", "envs.domains.shell:ShellEnv", {}),
     ("shell-fix-test", "envs.domains.shell:ShellEnv", {"kind": "fix_test"}),
     ("shell-sqlite", "envs.domains.shell:ShellEnv", {"kind": "sqlite"}),
+    ("dataset", "envs.domains.dataset:DatasetEnv", {}),  # a family of a user's data files' subsets
 ]
 
 
@@ -274,13 +282,52 @@ def get_entry(name: str) -> _Entry:
 
 
 def resolve(name: str, kwargs: dict[str, Any] | None = None) -> EnvRecipe:
-    """Load a registered environment's class here and return a picklable recipe to build it."""
-    entry = get_entry(name)
+    """Load a registered environment's class here and return a picklable recipe to build it; a family's
+    domain (`FAMILY:member`) is the family's class with the member's kwargs over the entry's."""
+    family, sep, member = name.partition(SEP)
+    entry = get_entry(family if sep and name not in _all_entries() else name)
     cls = entry.load()
     module = sys.modules.get(cls.__module__)
     if entry.source == "decorator" and module is not None:
         _ship_by_value(module)
-    return EnvRecipe(name, cls, {**entry.defaults, **(kwargs or {})})
+    kwargs = {**entry.defaults, **(kwargs or {})}
+    if not sep or entry.name == name:
+        return EnvRecipe(name, cls, kwargs)
+    members = family_domains(family, kwargs)
+    if member not in members:
+        close = difflib.get_close_matches(member, list(members), n=1)
+        hint = f"did you mean {family}{SEP}{close[0]}? " if close else ""
+        raise EnvRegistryError(f"family {family!r} has no domain {member!r}; {hint}it has {len(members)}"
+                               + (f" (e.g. {', '.join(sorted(members)[:4])})" if members else
+                                  " with these kwargs"))
+    made_by = members[member]
+    clash = next((k for k in made_by if k in kwargs and kwargs[k] != made_by[k]), None)
+    if clash is not None:
+        raise EnvRegistryError(f"domain {name!r} is {clash}={made_by[clash]!r}; its entry's kwargs say "
+                               f"{clash}={kwargs[clash]!r} (name another domain instead)")
+    return EnvRecipe(name, cls, {**kwargs, **made_by}, domain=name)
+
+
+def family_domains(name: str, kwargs: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """The domains a registered environment declares ({member: kwargs}), given a config entry's kwargs.
+    None for a preset whose defaults fix what makes the domains (math-word: its class's family is reached
+    through `math`); a registration with other defaults is a family of its own (a dataset's files)."""
+    entry = _all_entries().get(name)
+    if entry is None:
+        return {}
+    try:
+        members = dict(entry.load().domains(**{**entry.defaults, **(kwargs or {})}))
+    except Exception as exc:  # noqa: BLE001 - a family that cannot list its domains is one line
+        lines = str(exc).strip().splitlines()
+        raise EnvRegistryError(f"family {name!r} cannot list its domains: {type(exc).__name__}"
+                               + (f": {lines[0]}" if lines else "")) from None
+    if any(set(made_by) & set(entry.defaults) for made_by in members.values()):
+        return {}  # a preset fixes what makes its class's domains (math-word's kind): they are the class's family
+    bad = next((m for m in members if not MEMBER_NAME.fullmatch(str(m))), None)
+    if bad is not None:  # metric keys and file names hold domain names
+        raise EnvRegistryError(f"family {name!r} declares a domain named {bad!r}; a domain name is letters, "
+                               f"digits, '.', '_', '+' and '-'")
+    return members
 
 
 def make(name: str, **kwargs: Any) -> Environment:
@@ -295,10 +342,13 @@ def check_names(names: Sequence[str], where: str = "envs") -> None:
     for a class that does not load, where it lives and the error."""
     entries = _all_entries()
     for i, name in enumerate(names):
+        family, sep, _ = name.partition(SEP)
+        if name not in entries and sep:  # a family's domain: its member is checked with the entry's kwargs
+            name = family  # (check_kwargs)
         if name not in entries:
             close = difflib.get_close_matches(name, list(entries), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise EnvRegistryError(f"unknown environment {name!r} in {where}[{i}]{hint} "
+            raise EnvRegistryError(f"unknown {'family' if sep else 'environment'} {name!r} in {where}[{i}]{hint} "
                                    f"registered: {', '.join(sorted(entries))}")
         entry = entries[name]
         try:
@@ -408,7 +458,8 @@ def list_envs(sizes: bool = True) -> list[EnvSpec]:
             by_version = _versioned(checks.get(name))
             spec.last_check = by_version.get(spec.class_version)
             spec.older_checks = len(by_version) - (spec.last_check is not None)
-            if sizes:
+            spec.domains = len(family_domains(name))
+            if sizes and not _needs_arguments(cls, entry.defaults):  # a dataset family needs its files
                 env = make(name)
                 spec.domain, spec.tools = env.domain, [t["function"]["name"] for t in env.tools]
                 spec.dataset_sizes = {s: len(env.dataset(s)) for s in ("train", "heldout")}
@@ -417,6 +468,16 @@ def list_envs(sizes: bool = True) -> list[EnvSpec]:
             spec.error = f"{type(exc).__name__}: {exc}"
         out.append(spec)
     return out
+
+
+def _needs_arguments(cls: type, defaults: dict[str, Any]) -> bool:
+    """Whether `cls(**defaults)` lacks a required argument."""
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in defaults
+               for p in params)
 
 
 def _versioned(record: Any) -> dict[str, dict[str, Any]]:

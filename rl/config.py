@@ -247,18 +247,30 @@ class VLLMSection(Section):
 
 class EnvEntry(Section):
     name: str
-    weight: float = Field(default=1.0, gt=0)
+    weight: float = Field(default=1.0, gt=0)  # each domain's, for a pattern
+    share: float | None = Field(default=None, gt=0)  # a pattern's weight, split evenly over its domains
     kwargs: dict[str, Any] = Field(default_factory=dict)
     sandbox: dict[str, Any] | None = None  # overrides fields of the environment's SandboxSpec
 
     @field_validator("kwargs", "sandbox")
     @classmethod
     def _plain_data(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+    # an environment, a family's domain (`math:add-9x2`) or a pattern over domains (`math:*`, `lookup:keys-*`):
+    # load_config turns a pattern into one entry per domain (envs.families)
         # checked against the environment's constructor by envs.registry.check_kwargs (rl.trainer.train)
         _plain(value)
         return value
 
     @field_validator("sandbox")
+    @model_validator(mode="after")
+    def _share_of_a_pattern(self) -> "EnvEntry":
+        if self.share is not None and not any(c in self.name for c in "*?["):
+            raise ValueError(f"share splits a pattern's weight over its domains; {self.name!r} is one "
+                             f"environment: give it a weight")
+        if self.share is not None and "weight" in self.model_fields_set:
+            raise ValueError("give a pattern a weight (each of its domains) or a share (all of them), not both")
+        return self
+
     @classmethod
     def _sandbox_spec(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
@@ -302,6 +314,23 @@ class RolloutConfig(Section):
     temperature: float = Field(default=1.0, gt=0)
     # The learner scores tokens under the full (temperature-scaled) distribution, so a truncated
     # sampler would bias the importance ratio: training samples with top_p = 1 (evaluation may not).
+class AdaptiveSamplingConfig(Section):
+    """rl/rollout/adaptive.py: domains drawn by their training pass rate (off: the configured weights)."""
+
+    enabled: bool = False
+    low: float = Field(default=0.1, gt=0, lt=1)  # the useful band of pass rates: [low, high]
+    high: float = Field(default=0.9, gt=0, lt=1)
+    floor: float = Field(default=0.2, gt=0, le=1)  # the least factor on a domain's configured weight
+    min_samples: float = Field(default=16.0, gt=0, le=MAX_ITEMS)  # decayed samples before a domain's rate counts
+    decay: float = Field(default=0.8, gt=0, le=1)  # a domain's history, kept at each batch that holds it
+
+    @model_validator(mode="after")
+    def _a_band(self) -> "AdaptiveSamplingConfig":
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        return self
+
+
     top_p: float = Field(default=1.0, gt=0, le=1)
     # an episode's tokens, prompt and tool results included
     max_context: int = Field(default=32768, ge=16, le=MAX_TOKENS)
@@ -320,6 +349,7 @@ class RolloutConfig(Section):
     # beside busy engines: the demo's shell episodes waited 5-8 s each to start with 8 warm); None: as
     # many as the rollout plays at once (num_workers x groups_per_worker x group_size over env_workers),
     # at most max_sandboxes, the live sandboxes an environment worker may hold
+    adaptive: AdaptiveSamplingConfig = Field(default_factory=lambda: AdaptiveSamplingConfig())
     warm_sandboxes: int | None = Field(default=None, ge=0, le=MAX_ITEMS)
     max_sandboxes: int = Field(default=64, ge=1, le=MAX_ITEMS)
     # the native engine's memory: sequences in cache slots (each with its KDA state), latent keys in
@@ -797,7 +827,23 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     apply_overrides(tree, overrides or [])
     if "envs" not in tree:  # validate() takes partial trees (tests, tools); a run needs its environments
         raise ConfigError("config error: 'envs' is required: list the environments to train on")
-    return validate(tree)
+    return expand_domains(validate(tree))
+
+
+def expand_domains(config: RunConfig) -> RunConfig:
+    """Entries naming domains by pattern become one entry per domain, each with the entry's weight, or its
+    share split evenly (envs.families.expand); a run's saved config.yaml lists every domain."""
+    from envs.families import PatternError, Weighted, expand, is_pattern
+
+    if not any(is_pattern(e.name) for e in config.envs):
+        return config
+    try:
+        found = expand([Weighted(e.name, e.weight, e.share, e.kwargs) for e in config.envs])
+    except PatternError as exc:
+        raise ConfigError(f"config error: 'envs.{exc.index}.name': {exc}") from None
+    entries = [{**config.envs[i].model_dump(mode="json"), "name": domain, "weight": weight, "share": None}
+               for i, domain, weight in found]
+    return validate({**config.model_dump(mode="json"), "envs": entries})
 
 
 def dump_config(config: RunConfig, path: Path) -> None:

@@ -96,6 +96,15 @@ _GEN: list[tuple[str, str, str, str, list[dict[str, Any]]]] = [
 ]
 
 
+def _category(name_template: str) -> str:
+    """A function family's category: its name before the parameters (`count_between_{a}_{b}` -> count_between)."""
+    return name_template.split("_{", 1)[0]
+
+
+def _categories(kind: str) -> list[str]:
+    return [_category(f[0]) for f in {"toy": _TOY, "generated": _GEN}.get(kind, [])]
+
+
 def _inputs(kind: str, k: int, rng: random.Random) -> list[Any]:
     """Test inputs straddling the parameter, so a constant answer cannot pass."""
     if kind == "int":
@@ -144,14 +153,25 @@ class CodeEnv(Environment):
     single_answer = False  # many programs pass the same tests: near misses that pass are reported
 
     def __init__(self, kind: str = "toy", n_train: int = 400, n_heldout: int = 100, seed: int = 0,
-                 exec_timeout_s: float = 10.0, **kwargs: Any) -> None:
+                 exec_timeout_s: float = 10.0, category: str | None = None, **kwargs: Any) -> None:
         if kind not in KINDS:
             raise ValueError(f"code: unknown kind {kind!r}; expected one of {KINDS}")
+        if category is not None and category not in _categories(kind):
+            raise ValueError(f"code: kind {kind!r} has no category {category!r}; it has {_categories(kind)}")
         self.kind, self.n_train, self.n_heldout, self.seed = kind, n_train, n_heldout, seed
+        self.category = category  # one function family of the kind (`clip`), or all of them
         self.exec_timeout_s = exec_timeout_s
         self.system_prompt = ("Write the function in a ```python code block." if kind != "humaneval" else
                               "Complete the Python function. Reply with the whole function in a ```python code block.")
         super().__init__(**kwargs)
+
+    @classmethod
+    def domains(cls, **kwargs: Any) -> dict[str, dict[str, Any]]:
+        """One domain per function category of the generated kinds (`toy-add`, `generated-clip`), and HumanEval."""
+        out: dict[str, dict[str, Any]] = {f"{kind}-{c}": {"kind": kind, "category": c}
+                                          for kind in ("toy", "generated") for c in _categories(kind)}
+        out["humaneval"] = {"kind": "humaneval"}
+        return out
 
     def make_grader(self) -> Grader:
         return CodeGrader(sandbox_backend=self.sandbox_backend, exec_timeout_s=self.exec_timeout_s)
@@ -165,7 +185,10 @@ class CodeEnv(Environment):
                     for p in read_problems().values()]
             # HumanEval is an evaluation set: a fixed, hash-based 20% heldout keeps it reproducible
             return rows
-        tasks = _family_tasks(_TOY if self.kind == "toy" else _GEN, self.kind, self.seed)
+        families = _TOY if self.kind == "toy" else _GEN
+        if self.category is not None:
+            families = [f for f in families if _category(f[0]) == self.category]
+        tasks = _family_tasks(families, self.kind, self.seed)
         n_held = min(self.n_heldout, len(tasks) // 5)
         tasks = tasks[: self.n_train + n_held]
         return {"train": tasks[: len(tasks) - n_held], "heldout": tasks[len(tasks) - n_held:]}

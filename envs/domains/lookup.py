@@ -8,6 +8,7 @@ A JSONL corpus of {"id", "text", "question", "answer"} rows can be used instead 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from typing import Any
@@ -81,17 +82,35 @@ class LookupEnv(Environment):
         if kind not in ("keys", "docs"):
             raise ValueError(f"lookup: unknown kind {kind!r}; expected 'keys' or 'docs'")
         self.kind, self.n_train, self.n_heldout, self.top_k, self.seed = kind, n_train, n_heldout, top_k, seed
+        if corpus_file and not os.path.isfile(corpus_file):  # found now, read on first use
+            raise FileNotFoundError(f"lookup: corpus_file not found: {corpus_file}")
         self.corpus_file = corpus_file
-        if corpus_file:
-            with open(corpus_file, encoding="utf-8") as fh:
-                self.corpus = [json.loads(line) for line in fh if line.strip()]
-        else:
-            self.corpus = _keys_corpus(seed) if kind == "keys" else _docs_corpus(seed)
-        self._by_id = {row["id"].lower(): row for row in self.corpus}
+        # read or generated on first use: a run holds many lookup domains
+        self._corpus: tuple[list[dict[str, str]], dict[str, dict[str, str]]] | None = None
         self.system_prompt = ("Use the search tool to look things up, then reply: The answer is <answer>."
                               if kind == "keys" else
                               "Answer using the search tool over the town gazetteer. Finish with: The answer is <answer>.")
         super().__init__(**kwargs)
+
+    @classmethod
+    def domains(cls, **kwargs: Any) -> dict[str, dict[str, Any]]:
+        """One domain per generated corpus: each kind under 32 seeds (`keys-7`: other keys hold other values)."""
+        return {f"{kind}-{seed}": {"kind": kind, "seed": seed} for kind in ("keys", "docs") for seed in range(32)}
+
+    @property
+    def corpus(self) -> list[dict[str, str]]:
+        return self._loaded()[0]
+
+    def _loaded(self) -> tuple[list[dict[str, str]], dict[str, dict[str, str]]]:
+        """The corpus and its rows by lower-case id."""
+        if self._corpus is None:
+            if self.corpus_file:
+                with open(self.corpus_file, encoding="utf-8") as fh:
+                    rows = [json.loads(line) for line in fh if line.strip()]
+            else:
+                rows = _keys_corpus(self.seed) if self.kind == "keys" else _docs_corpus(self.seed)
+            self._corpus = (rows, {row["id"].lower(): row for row in rows})
+        return self._corpus
 
     def make_grader(self) -> Grader:
         return LookupGrader()
@@ -108,8 +127,9 @@ class LookupEnv(Environment):
     def search(self, query: str) -> str:
         """Exact id match first, then entries ranked by shared words (ties by corpus order)."""
         q = normalise(query)
-        if q in self._by_id:
-            return self._by_id[q]["text"]
+        by_id = self._loaded()[1]
+        if q in by_id:
+            return by_id[q]["text"]
         words = set(re.findall(r"[a-z0-9]+", q))
         if not words:
             return "no results"

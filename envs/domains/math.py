@@ -15,6 +15,7 @@ KINDS = ("arithmetic", "fractions", "word")
 
 
 ANSWER_STYLES = ("marker", "last_number")
+_OP_NAMES = {"add": "+", "sub": "-", "addsub": "+-", "mul": "*"}  # the arithmetic domains' operations
 
 
 def last_number(text: str | None, question: str = "") -> str | None:
@@ -46,16 +47,24 @@ class MathGrader(Grader):
         return Grade(reward=1.0 if ok else 0.0, passed=ok, grader_version="", details={"extracted": pred})
 
 
+# draws in a row that repeat known questions before a small space counts as used up: the chance that one
+# of its last questions is still undrawn then is below e^-25 for spaces of up to 200 questions
+_EXHAUSTED_AFTER = 5000
+
+
 def _unique(make: Callable[[random.Random], dict[str, Any]], rng: random.Random, count: int, seen: set[str]) -> list[dict[str, Any]]:
     """Draw `count` tasks whose questions are all new (so heldout never repeats a train question)."""
     out: list[dict[str, Any]] = []
-    tries = 0
-    while len(out) < count and tries < count * 50:
+    tries = misses = 0
+    while len(out) < count and tries < count * 50 and misses < _EXHAUSTED_AFTER:
         tries += 1
         task = make(rng)
         if task["question"] not in seen:
             seen.add(task["question"])
             out.append(task)
+            misses = 0
+        else:
+            misses += 1
     return out
 
 
@@ -146,6 +155,20 @@ class MathEnv(Environment):
             self.system_prompt = "Solve the problem."
             self.answer_in_prose = True  # "6, because ..." is the style, not a near miss
         super().__init__(**kwargs)
+
+    @classmethod
+    def domains(cls, **kwargs: Any) -> dict[str, dict[str, Any]]:
+        """Its kinds by operation, operand range and length (`add-9x2`: a + b up to 9), fractions and
+        word problems by operand range."""
+        out: dict[str, dict[str, Any]] = {}
+        for op_name, ops in _OP_NAMES.items():
+            for max_operand in (3, 5, 9, 20, 50, 99):
+                for n_terms in (2, 3) if op_name != "sub" else (2,):  # a - b - c is mostly negative
+                    out[f"{op_name}-{max_operand}x{n_terms}"] = {"kind": "arithmetic", "ops": ops,
+                                                                "max_operand": max_operand, "n_terms": n_terms}
+        out.update({f"fractions-{m}": {"kind": "fractions", "max_operand": m} for m in (3, 5, 9, 12)})
+        out.update({f"word-{m}": {"kind": "word", "max_operand": m} for m in (10, 20, 30)})
+        return out
 
     def make_grader(self) -> Grader:
         return MathGrader(allow_expressions=self.allow_expressions, answer_style=self.answer_style)

@@ -34,6 +34,7 @@ _WORDS = ["apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "pepper
 _CUSTOMERS = ["ana", "ben", "cai", "dora", "eli", "finn", "gia", "hugo"]
 _ITEMS = ["pen", "cup", "lamp", "book", "sock", "mug", "fan", "hat"]
 _STATUSES = ["shipped", "pending", "returned"]
+_SQL_QUESTIONS = ("total", "count", "item")  # the sqlite tasks' questions, by rng.randrange(3)
 
 # fix_test families: (function, argument, correct body, buggy body, input kind, parameter grid)
 _BUGS: list[tuple[str, str, str, str, str, range]] = [
@@ -44,6 +45,10 @@ _BUGS: list[tuple[str, str, str, str, str, range]] = [
     ("last_n", "xs", "return xs[-{k}:]", "return xs[-{k}:-1]", "list", range(2, 9)),
     ("total_from", "xs", "return sum(xs[{k}:])", "return sum(xs[{k} + 1:])", "list", range(1, 9)),
 ]
+
+# each kind's variants, the domains of the family: the file to create, the buggy function, the question
+_VARIANTS = {"create_file": [f.split(".")[0] for f in _FILES], "fix_test": [b[0] for b in _BUGS],
+             "sqlite": list(_SQL_QUESTIONS)}
 
 _TEST_RUNNER = """import sys
 nonce = sys.stdin.readline().strip()
@@ -88,7 +93,8 @@ class ShellGrader(Grader):
 
 def _create_file_tasks(seed: int) -> list[dict[str, Any]]:
     rng = random.Random(f"shell/create/{seed}")
-    tasks = [{"task_id": f"shell-create-{seed}-{f}-{w}", "kind": "create_file", "path": f, "expect": w,
+    tasks = [{"task_id": f"shell-create-{seed}-{f}-{w}", "kind": "create_file", "variant": f.split(".")[0],
+              "path": f, "expect": w,
               "prompt": f"Create a file named {f} containing {w}.", "setup": "{}", "hidden_tests": ""}
              for f in _FILES for w in _WORDS]
     rng.shuffle(tasks)
@@ -128,7 +134,7 @@ def _fix_test_tasks(seed: int) -> list[dict[str, Any]]:
             hidden_src = f"from calc import {fn}\n" + "".join(f"assert {fn}({x!r}) == {y!r}\n" for x, y in cases)
             files = {"calc.py": f"def {fn}({arg}):\n    {bad}\n", "test_calc.py": visible_src}
             tasks.append({
-                "task_id": f"shell-fix-{seed}-{fn}-{k}", "kind": "fix_test", "path": "calc.py",
+                "task_id": f"shell-fix-{seed}-{fn}-{k}", "kind": "fix_test", "variant": fn, "path": "calc.py",
                 "expect": f"def {fn}({arg}):\n    {good}\n",
                 "prompt": "The tests in test_calc.py fail (run: python3 test_calc.py). Fix the bug in calc.py.",
                 "setup": json.dumps(files), "hidden_tests": hidden_src,
@@ -174,7 +180,8 @@ def _sqlite_tasks(seed: int, n: int) -> list[dict[str, Any]]:
             text, sql = f"Which item does order {r[0]} contain?", f"SELECT item FROM orders WHERE id={r[0]}"
             answer = r[2]
         tasks.append({
-            "task_id": f"shell-sqlite-{seed}-{i}", "kind": "sqlite", "path": "answer.txt", "expect": answer,
+            "task_id": f"shell-sqlite-{seed}-{i}", "kind": "sqlite", "variant": _SQL_QUESTIONS[q], "path": "answer.txt",
+            "expect": answer,
             "prompt": f"The SQLite database shop.db has a table orders(id, customer, item, qty, status). {text} "
                       "Write just the answer to answer.txt.",
             "setup": json.dumps({"rows": rows}), "hidden_tests": sql,
@@ -191,12 +198,21 @@ class ShellEnv(Environment):
     system_prompt = "You work in a Linux shell. Use the bash tool, then reply Done."
 
     def __init__(self, kind: str = "create_file", n_train: int = 400, n_heldout: int = 100, seed: int = 0,
-                 max_turns: int | None = None, tool_timeout_s: float = 10.0, **kwargs: Any) -> None:
+                 max_turns: int | None = None, tool_timeout_s: float = 10.0, variant: str | None = None,
+                 **kwargs: Any) -> None:
         if kind not in KINDS:
             raise ValueError(f"shell: unknown kind {kind!r}; expected one of {KINDS}")
+        if variant is not None and variant not in _VARIANTS[kind]:
+            raise ValueError(f"shell: kind {kind!r} has no variant {variant!r}; it has {list(_VARIANTS[kind])}")
         self.kind, self.n_train, self.n_heldout, self.seed = kind, n_train, n_heldout, seed
+        self.variant = variant  # one sort of the kind's tasks (a file, a bug's function, a question), or all
         self.tool_timeout_s = tool_timeout_s
         super().__init__(max_turns=max_turns if max_turns is not None else (3 if kind == "create_file" else 8), **kwargs)
+
+    @classmethod
+    def domains(cls, **kwargs: Any) -> dict[str, dict[str, Any]]:
+        """One domain per variant of each kind: the file to create, the function with the bug, the question."""
+        return {f"{kind}-{v}": {"kind": kind, "variant": v} for kind in KINDS for v in _VARIANTS[kind]}
 
     def make_grader(self) -> Grader:
         return ShellGrader(sandbox_backend=self.sandbox_backend)
@@ -207,7 +223,10 @@ class ShellEnv(Environment):
     def build_tasks(self) -> Any:
         total = self.n_train + self.n_heldout
         tasks = {"create_file": lambda: _create_file_tasks(self.seed), "fix_test": lambda: _fix_test_tasks(self.seed),
-                 "sqlite": lambda: _sqlite_tasks(self.seed, total)}[self.kind]()
+                 # a variant keeps about a third of the questions: draw enough of them
+                 "sqlite": lambda: _sqlite_tasks(self.seed, total * (3 if self.variant else 1))}[self.kind]()
+        if self.variant is not None:
+            tasks = [t for t in tasks if t["variant"] == self.variant]
         for t in tasks:
             t.setdefault("probe", "")
         n_held = min(self.n_heldout, len(tasks) // 5)
