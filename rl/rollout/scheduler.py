@@ -20,6 +20,7 @@ whose environment keeps raising is reported and left out."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections import deque
@@ -32,6 +33,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from rl.config import RolloutConfig
 from rl.metrics import rollout_metrics
+from rl.rollout.adaptive import AdaptiveWeights, distribution
 from rl.rollout.worker import NoWeightsError
 from rl.types import RolloutBatch, Sample, WorkItem, env_worker_index
 
@@ -48,15 +50,23 @@ class SamplingPlan:
     top_p: float
     seed: int
 
-    def item(self, index: int, task_ids: dict[str, list[str]]) -> WorkItem:
-        """Training group `index` of the run's stream: a pure function of (seed, index)."""
+    @functools.cached_property
+    def _envs(self) -> tuple[list[str], np.ndarray]:  # once: a run may draw from thousands of domains
+        return distribution(self.env_weights)
+
+    @functools.cached_property
+    def _levels(self) -> tuple[list[str], np.ndarray]:
+        return distribution(self.effort_weights)
+
+    def item(self, index: int, task_ids: dict[str, list[str]],
+             env_weights: tuple[list[str], np.ndarray] | None = None) -> WorkItem:
+        """Training group `index` of the run's stream: a pure function of (seed, index), and of
+        `env_weights` (adaptive sampling's, rl.rollout.adaptive.distribution) when given."""
         rng = np.random.default_rng([self.seed, index])
-        envs = sorted(self.env_weights)
-        p_env = np.array([self.env_weights[e] for e in envs], dtype=float)
-        levels = sorted(lvl for lvl, w in self.effort_weights.items() if w > 0)
-        p_lvl = np.array([self.effort_weights[lvl] for lvl in levels], dtype=float)
-        env = envs[rng.choice(len(envs), p=p_env / p_env.sum())]
-        level = levels[rng.choice(len(levels), p=p_lvl / p_lvl.sum())]
+        envs, p_env = env_weights or self._envs
+        levels, p_lvl = self._levels
+        env = envs[rng.choice(len(envs), p=p_env)]
+        level = levels[rng.choice(len(levels), p=p_lvl)]
         tasks = task_ids[env]
         task = tasks[int(rng.integers(len(tasks)))]
         return WorkItem(uid=f"g{index}", env=env, task_id=task, effort=level, group_size=self.group_size,
@@ -113,6 +123,8 @@ class RolloutScheduler:
         self.dropped_items: dict[int, WorkItem] = {}
         self.counters: dict[str, float] = {}
         self.errors: list[str] = []
+        # adaptive sampling (rollout.adaptive): domain weights by the pass rates the batches show
+        self.adaptive = AdaptiveWeights(plan.env_weights, cfg.adaptive) if cfg.adaptive.enabled else None
 
     # -- weights ---------------------------------------------------------------------------------
     async def set_weights(self, wrapped_ref: list, version: int) -> float:
@@ -163,6 +175,8 @@ class RolloutScheduler:
         position = resume or StreamPosition()
         self.next_index = position.next_index
         self.batches_taken = position.batches_taken
+        if self.adaptive is not None and position.sampling:
+            self.adaptive.restore(position.sampling)
         drawn = set(position.drawn)
         for item in sorted(position.pending, key=lambda it: it.index):
             (self.redraw if item.uid in drawn else self.reissue).append(item)
@@ -176,7 +190,8 @@ class RolloutScheduler:
                    *self.ready_items.values(), *self.dropped_items.values()]
         pending.sort(key=lambda it: it.index)
         return StreamPosition(self.next_index, self.batches_taken, pending,
-                              sorted(uid for uid in self.fresh if any(it.uid == uid for it in pending)))
+                              sorted(uid for uid in self.fresh if any(it.uid == uid for it in pending)),
+                              self.adaptive.to_dict() if self.adaptive is not None else None)
 
     async def stop_training(self) -> None:
         if self._producer is not None:
@@ -218,7 +233,8 @@ class RolloutScheduler:
         if self.redraw:
             item = self.redraw.popleft()
         else:
-            item = self.plan.item(self.next_index, {e: ids["train"] for e, ids in self.task_ids.items()})
+            item = self.plan.item(self.next_index, {e: ids["train"] for e, ids in self.task_ids.items()},
+                                  self.adaptive.distribution() if self.adaptive is not None else None)
             self.next_index += 1
         self.draws_since_batch += 1
         self.fresh.add(item.uid)
@@ -273,10 +289,14 @@ class RolloutScheduler:
             errors, self.errors = self.errors, []
             dropped = [s for index in sorted(self.dropped) for s in self.dropped[index]]  # stream order
             self.dropped, self.dropped_items = {}, {}
+            if self.adaptive is not None:  # before the next draw: the stream weighs what this batch showed
+                self.adaptive.observe(samples + dropped)
             self._changed.notify_all()
         # rollout statistics cover every group reported now, dropped ones included (dropping the
         # all-correct and all-wrong groups would bias the reward curve)
         metrics = rollout_metrics(samples + dropped, step)
+        if self.adaptive is not None:
+            metrics.update(self.adaptive.metrics())
         metrics.update({k: v for k, v in counters.items() if k != "rollout/drawn_groups"})
         metrics["rollout/trained_samples"] = float(len(samples))
         metrics["rollout/refilled_groups"] = max(0.0, counters.get("rollout/drawn_groups", 0.0) - len(uids))
@@ -409,12 +429,13 @@ class StreamPosition:
     batches_taken: int = 0  # the training step the next batch is for
     pending: list[WorkItem] = field(default_factory=list)  # issued, neither trained on nor reported
     drawn: list[str] = field(default_factory=list)  # uids among `pending` drawn since the last batch
+    sampling: dict[str, Any] | None = None  # adaptive sampling's state after the last batch (rl/rollout/adaptive.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {"next_index": self.next_index, "batches_taken": self.batches_taken,
-                "pending": [vars(it) for it in self.pending], "drawn": self.drawn}
+                "pending": [vars(it) for it in self.pending], "drawn": self.drawn, "sampling": self.sampling}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StreamPosition":
         return cls(int(data["next_index"]), int(data["batches_taken"]), [WorkItem(**d) for d in data["pending"]],
-                   list(data.get("drawn", [])))
+                   list(data.get("drawn", [])), data.get("sampling"))
