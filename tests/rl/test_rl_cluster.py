@@ -1,8 +1,16 @@
-"""`ray.address`: a run joins an existing (here: simulated two-node) cluster instead of starting one."""
+"""`ray.address`: a run joins an existing (here: simulated two-node) cluster instead of starting one. The
+learner and the rollout workers are kept on the node the driver is not on (custom resources), so the
+tokenizer reaches them and their checkpoint files come back through Ray, not through a path; the
+checkpoints also go to a local S3-compatible server (checkpoint.dir), from which a run folder that lost
+its own checkpoints resumes."""
+import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests_rl_config import TINY
@@ -14,23 +22,62 @@ import subprocess, sys
 from ray.cluster_utils import Cluster
 
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-cluster.add_node(num_cpus=1)
+cluster.add_node(num_cpus=2, resources={"far": 4})
 try:
-    rc = subprocess.call([sys.argv[1], "train", sys.argv[2], "ray.address=" + cluster.address])
+    rc = 0
+    for args in sys.argv[2:]:
+        rc = rc or subprocess.call([sys.argv[1], *args.split("|"), "ray.address=" + cluster.address])
 finally:
     cluster.shutdown()
 sys.exit(rc)
 """
 
 
-def test_train_joins_an_existing_two_node_cluster(tmp_path):
-    tree = {**TINY, "output_dir": str(tmp_path / "runs"), "train": {"steps": 1},
+@pytest.fixture
+def s3_server():
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL_S3"], key="test", secret="test").mkdir("ckpts")
+    yield env
+    server.stop()
+
+
+def test_train_joins_a_cluster_whose_learner_shares_no_path_with_the_driver(tmp_path, s3_server):
+    tree = {**TINY, "output_dir": str(tmp_path / "runs"), "train": {"steps": 2},
+            "checkpoint": {"every": 1, "keep": 2, "dir": "s3://ckpts/runs"},
+            "resources": {"learner_resources": {"far": 1}, "rollout_resources": {"far": 1}},
             "eval": {"tasks_per_env": 1, "efforts": ["low"], "before_and_after": False}}
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(tree))
     rl = str(Path(sys.executable).with_name("rl"))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, rl, str(config)], capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def in_cluster(*runs: str) -> None:
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, rl, *runs], capture_output=True, text=True,
+                              timeout=900, cwd=REPO, env={**os.environ, **s3_server})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    in_cluster(f"train|{config}")
     run_dir = next((tmp_path / "runs").iterdir())
-    assert (run_dir / "checkpoints" / "step_0" / "hf" / "config.json").exists()
+    ckpt = run_dir / "checkpoints" / "step_1"
+    assert (ckpt / "hf" / "config.json").exists() and (ckpt / "mp_rank_00_model_states.pt").exists()
+    import s3fs
+
+    s3 = s3fs.S3FileSystem(endpoint_url=s3_server["AWS_ENDPOINT_URL_S3"], key="test", secret="test")
+    assert s3.cat_file(f"ckpts/runs/{run_dir.name}/latest") == b"step_1"
+    # resumed twice: from the run folder (files sent back out to the learner's node), then with the
+    # run folder's checkpoints gone, from the bucket
+    in_cluster(f"train|--resume|{run_dir}|train.steps=3")
+    assert (run_dir / "checkpoints" / "step_2" / "manifest.json").exists()
+    shutil.rmtree(run_dir / "checkpoints")
+    in_cluster(f"train|--resume|{run_dir}|train.steps=4")
+    steps = [json_step for json_step in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step": 3' in json_step]
+    assert steps and (run_dir / "checkpoints" / "step_3" / "manifest.json").exists()
