@@ -26,17 +26,21 @@ import re
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from envs.adversaries import (MIN_SECRET_CHARS, NULL_ANSWER, Adversary, Attempt, Find, Policy, TaskProbe,
                               answer_in, builtin_adversaries, gold_in)
 from envs.base import Environment
 from envs.data import SPLITS
+from envs.gate_cache import GateCache, cache_key
 from envs.gate_episodes import Episode, GateSandboxes, add_timing, reference_policy, run_episode, state_digest
 from envs.grades import Grade, GradeRequest
 from envs.grading import timed_out
 from envs.sandbox_scan import LEAK_NAME_PATTERN, SCAN_ROOTS, ScanResult, scan_sandbox
 from envs.toolcall import parse_turn
+
+if TYPE_CHECKING:
+    from envs.registry import EnvRecipe
 
 MAX_OBSERVATION_CHARS = 20_000  # a tool output longer than this would flood the policy's context
 CONSISTENCY_TASKS = 2  # per split: every payload of these tasks is graded a second time, in reverse order
@@ -127,27 +131,40 @@ class _Tally:
 
 
 def check_env(name: str, env_kwargs: dict[str, Any] | None = None, max_tasks: int | None = None, replays: int = 3,
-              seed: int = 0, grader: Any = None, record: bool = True, splits: tuple[str, ...] = SPLITS) -> GateReport:
+              seed: int = 0, grader: Any = None, record: bool = True, splits: tuple[str, ...] = SPLITS,
+              recipe: EnvRecipe | None = None, cache: GateCache | None = None) -> GateReport:
     """Run the gate on a registered environment; returns the report (report["ok"] is the verdict).
 
-    max_tasks caps the tasks checked per split (None: all of them); splits: which to check."""
+    max_tasks caps the tasks checked per split (None: all of them); splits: which to check. recipe: build
+    from it instead of the name (a worker process that never saw the registration). cache: a passing report
+    kept under the same code, data and settings is returned as it was (`"cached": true`), and a new passing
+    one is kept (envs/gate_cache.py)."""
     from envs.grading import default_grader
     from envs.registry import class_version, make, record_check
 
     env_kwargs = dict(env_kwargs or {})
+    build = recipe.make if recipe is not None else (lambda: make(name, **env_kwargs))
     report = GateReport({"env": name, "env_kwargs": env_kwargs, "ok": False, "reasons": [], "tasks": 0,
                          "checked_at": time.time()})
     started = time.perf_counter()
+    key = None
     try:
-        env = make(name, **env_kwargs)
+        env = build()
         report["class_version"] = class_version(type(env))
         task_ids = {s: list(env.dataset(s)["task_id"])[:max_tasks] for s in splits}
+        if cache is not None:
+            key = cache_key(name, env_kwargs, env, {"max_tasks": max_tasks, "replays": replays, "seed": seed,
+                                                    "splits": list(splits)})
+            kept = cache.get(key)
+            if kept is not None:
+                env.close()
+                return GateReport({**kept, "cached": True, "gate_s": round(time.perf_counter() - started, 3)})
     except Exception as exc:  # noqa: BLE001 - a broken env is a gate failure, not a crash
         report["reasons"].append(f"could not build the environment: {type(exc).__name__}: {exc}")
         return _finish(report, record, record_check)
     own_grader = grader is None
     grader = grader or default_grader(num_actors=2)
-    gate = _Gate(env, name, env_kwargs, replays, seed, grader, report)
+    gate = _Gate(env, name, env_kwargs, replays, seed, grader, report, build)
     try:
         gate.run(task_ids)
     except _Stop:
@@ -162,7 +179,10 @@ def check_env(name: str, env_kwargs: dict[str, Any] | None = None, max_tasks: in
             grader.close()
     report["gate_s"] = round(time.perf_counter() - started, 3)
     report["per_task_s"] = round(report["gate_s"] / report["tasks"], 4) if report["tasks"] else None
-    return _finish(report, record, record_check)
+    report = _finish(report, record, record_check)
+    if cache is not None and key is not None:
+        cache.put(key, report.to_dict())
+    return report
 
 
 def _finish(report: GateReport, record: bool, record_check: Any) -> GateReport:
@@ -177,8 +197,8 @@ def _finish(report: GateReport, record: bool, record_check: Any) -> GateReport:
 
 class _Gate:
     def __init__(self, env: Environment, name: str, env_kwargs: dict[str, Any], replays: int, seed: int,
-                 grader: Any, report: GateReport) -> None:
-        self.env, self.name, self.env_kwargs = env, name, env_kwargs
+                 grader: Any, report: GateReport, build: Callable[[], Environment]) -> None:
+        self.env, self.name, self.env_kwargs, self.build = env, name, env_kwargs, build
         self.replays, self.seed, self.grader, self.report = max(1, replays), seed, grader, report
         self.tasks: list[_Task] = []
         self.timings: dict[str, list[float]] = {}
@@ -231,8 +251,6 @@ class _Gate:
 
     # -- phases ------------------------------------------------------------------------------
     def run(self, task_ids: dict[str, list[str]]) -> None:
-        from envs.registry import make
-
         env = self.env
         self.adversaries = list(env.gate_adversaries(builtin_adversaries()))
         self.split_sizes = {split: len(ids) for split, ids in task_ids.items()}
@@ -245,7 +263,7 @@ class _Gate:
                 final = last if last is not None and not (env.tools and parse_turn(last).wants_tool) else None
                 self.tasks.append(_Task(split, tid, env.task(tid), refs, final, answer_in(final)))
         golds = sorted({t.gold for t in self.tasks if t.gold is not None and "\n" not in t.gold})
-        twin = make(self.name, **self.env_kwargs)  # a fresh instance must build the same tasks
+        twin = self.build()  # a fresh instance must build the same tasks
         replays: list[tuple[_Task, list[Episode], Episode | None]] = []
         try:
             for task in self.tasks:

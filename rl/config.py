@@ -563,6 +563,10 @@ class GateConfig(Section):
     enabled: bool = True
     max_tasks: int = Field(default=8, ge=1, le=MAX_ITEMS)
     allow_failing: bool = False
+    # Ray actors checking environments at once (None: rollout.env_workers); a passing report is kept under
+    # the code, data and settings it was made with, and used again while none of them changes
+    workers: int | None = Field(default=None, ge=1, le=MAX_WORKERS)
+    cache: bool = True
 
 
 class RunConfig(Section):

@@ -75,22 +75,38 @@ class Trainer:
         return tok
 
     def _gate(self) -> None:
-        from envs.quality import check_env
+        """Every environment through the quality gate, `gate.workers` at a time on Ray actors; a report
+        kept from an earlier run under the same code, data and settings is used as it is (gate.cache)."""
+        from envs.gate_cache import default_cache
+        from envs.gate_parallel import check_all
+        from envs.registry import resolve
 
-        if not self.cfg.gate.enabled:
+        gate = self.cfg.gate
+        if not gate.enabled:
             return
-        reports = {}
-        for entry in self.cfg.envs:
-            report = check_env(entry.name, env_kwargs(self.cfg, entry.name), max_tasks=self.cfg.gate.max_tasks)
-            reports[entry.name] = report.to_dict()
-            ok = reports[entry.name]["ok"]
-            reason = "; ".join(reports[entry.name].get("reasons", []))
-            self.say(f"quality gate: {entry.name}: {'ok' if ok else 'FAILED ' + reason}")
-            if not ok and not self.cfg.gate.allow_failing:
-                (self.run_dir / "gate.json").write_text(json.dumps(reports, indent=1))
-                raise RunRefused(f"environment {entry.name!r} failed the quality gate ({reason}); "
-                                 f"fix it or set gate.allow_failing=true")
+        names = [entry.name for entry in self.cfg.envs]
+        checks = [(name, resolve(name, env_kwargs(self.cfg, name)), env_kwargs(self.cfg, name)) for name in names]
+        few = len(names) <= 8  # a line per environment; for many, the failures and a summary
+
+        def said(name: str, report: dict[str, Any]) -> None:
+            if few or not report["ok"]:
+                reason = "; ".join(report.get("reasons", []))
+                self.say(f"quality gate: {name}: {'ok' if report['ok'] else 'FAILED ' + reason}"
+                         + (" (cached)" if report.get("cached") else ""))
+
+        started = time.monotonic()
+        reports = check_all(checks, gate.max_tasks, gate.workers or self.cfg.rollout.env_workers,
+                            default_cache() if gate.cache else None, said)
         (self.run_dir / "gate.json").write_text(json.dumps(reports, indent=1))
+        failed = [name for name in names if not reports[name]["ok"]]
+        cached = sum(1 for r in reports.values() if r.get("cached"))
+        self.phase(f"quality gate: {len(names) - len(failed)}/{len(names)} environments passed "
+                   f"({cached} from the cache) in {time.monotonic() - started:.1f} s")
+        if failed and not gate.allow_failing:
+            reason = "; ".join(reports[failed[0]].get("reasons", []))
+            more = f" (and {len(failed) - 1} more: see gate.json)" if len(failed) > 1 else ""
+            raise RunRefused(f"environment {failed[0]!r} failed the quality gate ({reason}){more}; "
+                             f"fix it or set gate.allow_failing=true")
 
     def _push_weights(self, version: int) -> float:
         """The learner's weights to every rollout worker, labelled `version` (GRPO steps trained):
