@@ -284,16 +284,20 @@ def get_entry(name: str) -> _Entry:
 def resolve(name: str, kwargs: dict[str, Any] | None = None) -> EnvRecipe:
     """Load a registered environment's class here and return a picklable recipe to build it; a family's
     domain (`FAMILY:member`) is the family's class with the member's kwargs over the entry's."""
+    entries = _all_entries()  # once: a run resolves hundreds of domains
     family, sep, member = name.partition(SEP)
-    entry = get_entry(family if sep and name not in _all_entries() else name)
+    key = family if sep and name not in entries else name
+    if key not in entries:
+        raise KeyError(f"unknown environment {key!r}; registered: {', '.join(sorted(entries))}")
+    entry = entries[key]
     cls = entry.load()
     module = sys.modules.get(cls.__module__)
     if entry.source == "decorator" and module is not None:
         _ship_by_value(module)
     kwargs = {**entry.defaults, **(kwargs or {})}
-    if not sep or entry.name == name:
+    if key == name:
         return EnvRecipe(name, cls, kwargs)
-    members = family_domains(family, kwargs)
+    members = _declared(entry, kwargs)
     if member not in members:
         close = difflib.get_close_matches(member, list(members), n=1)
         hint = f"did you mean {family}{SEP}{close[0]}? " if close else ""
@@ -313,19 +317,21 @@ def family_domains(name: str, kwargs: dict[str, Any] | None = None) -> dict[str,
     None for a preset whose defaults fix what makes the domains (math-word: its class's family is reached
     through `math`); a registration with other defaults is a family of its own (a dataset's files)."""
     entry = _all_entries().get(name)
-    if entry is None:
-        return {}
+    return {} if entry is None else _declared(entry, kwargs)
+
+
+def _declared(entry: _Entry, kwargs: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     try:
         members = dict(entry.load().domains(**{**entry.defaults, **(kwargs or {})}))
     except Exception as exc:  # noqa: BLE001 - a family that cannot list its domains is one line
         lines = str(exc).strip().splitlines()
-        raise EnvRegistryError(f"family {name!r} cannot list its domains: {type(exc).__name__}"
+        raise EnvRegistryError(f"family {entry.name!r} cannot list its domains: {type(exc).__name__}"
                                + (f": {lines[0]}" if lines else "")) from None
     if any(set(made_by) & set(entry.defaults) for made_by in members.values()):
         return {}  # a preset fixes what makes its class's domains (math-word's kind): they are the class's family
     bad = next((m for m in members if not MEMBER_NAME.fullmatch(str(m))), None)
     if bad is not None:  # metric keys and file names hold domain names
-        raise EnvRegistryError(f"family {name!r} declares a domain named {bad!r}; a domain name is letters, "
+        raise EnvRegistryError(f"family {entry.name!r} declares a domain named {bad!r}; a domain name is letters, "
                                f"digits, '.', '_', '+' and '-'")
     return members
 

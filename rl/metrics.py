@@ -31,7 +31,7 @@ class MetricsLogger:
                 step = record.pop("step")
                 for sink in fresh:
                     if sink.replays_history:
-                        sink.log(step, record)
+                        sink.log(step, charted(record))
         self.sinks += fresh
 
     @property
@@ -40,13 +40,20 @@ class MetricsLogger:
         return next((s.run for s in self.sinks if isinstance(s, WandbSink)), None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """step >= 0: a GRPO step; step < 0: a warm-up (SFT) step, counted up to -1."""
+        """step >= 0: a GRPO step; step < 0: a warm-up (SFT) step, counted up to -1. metrics.jsonl gets
+        every metric; wandb and TensorBoard, a chart per metric name, not those of single family domains."""
         for sink in self.sinks:
-            sink.log(step, metrics)
+            sink.log(step, metrics if isinstance(sink, JsonlSink) else charted(metrics))
 
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def charted(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics without those of a family's single domains (a run of hundreds of domains would draw
+    thousands of charts): their families' aggregates stay, and metrics.jsonl keeps them all."""
+    return {k: v for k, v in metrics.items() if not any(family_member(part) for part in k.split("/"))}
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -56,15 +63,35 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+FAMILY_SEP = ":"  # a family's domains are FAMILY:member (envs.registry.SEP: envs sits below rl)
+
+
+def family_of(domain: str) -> str:
+    """`math` for `math:add-9x2`; a domain outside any family is a family of its own."""
+    return domain.split(FAMILY_SEP, 1)[0]
+
+
+def family_member(key_part: str) -> bool:
+    """Whether a metric name's part is a family's domain (`math:add-9x2`, envs.families)."""
+    return FAMILY_SEP in key_part
+
+
 def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str, float]:
     """Reward, pass rate, length and wall time by phase overall, per domain and per effort level (each
-    episode once, its length over all its segments); weight staleness."""
+    episode once, its length over all its segments); weight staleness. A family's domain (`math:add-9x2`)
+    gets only its reward, pass rate and episodes (`rollout/domain/<d>/...`, for the dashboard's ranking
+    and picker) and its family the rest (`rollout/family/<f>/...`): a step's volume grows with the groups
+    it holds, not with the run's domains."""
     samples = list(samples)
     out: dict[str, float] = {}
     buckets: dict[str, list[tuple[Sample, int]]] = defaultdict(list)
     buckets["all"] = []  # always reported, even for a step whose groups all failed
+    members: dict[str, list[Sample]] = defaultdict(list)
     for s, length in episodes(samples):
-        for key in ("all", f"domain/{s.domain}", f"effort/{s.effort}"):
+        family, in_family, _ = s.domain.partition(FAMILY_SEP)
+        if in_family:
+            members[s.domain].append(s)
+        for key in ("all", f"family/{family}" if in_family else f"domain/{s.domain}", f"effort/{s.effort}"):
             buckets[key].append((s, length))
     for key, group in buckets.items():
         prefix = "rollout" if key == "all" else f"rollout/{key}"
@@ -74,6 +101,10 @@ def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str
         out[f"{prefix}/response_tokens"] = sum(length for _, length in group) / n
         for phase in sorted({p for s, _ in group for p in s.phase_s}):  # where an episode's time went
             out[f"{prefix}/episode_s/{phase}"] = sum(s.phase_s.get(phase, 0.0) for s, _ in group) / n
+    for domain, group in members.items():
+        out[f"rollout/domain/{domain}/reward"] = sum(s.reward for s in group) / len(group)
+        out[f"rollout/domain/{domain}/pass_rate"] = sum(s.passed for s in group) / len(group)
+        out[f"rollout/domain/{domain}/episodes"] = float(len(group))
     out["rollout/samples"] = float(len(samples))
     out["rollout/episodes"] = float(len(buckets["all"]))
     out["rollout/truncated"] = sum(s.truncated for s in samples) / max(len(samples), 1)

@@ -1,117 +1,54 @@
 """What the dashboard and the report show: panels of charts and tables built from runs' data.
 
-The charts here are descriptions (lines, heatmaps, which metric each comes from, which expected
-metric has no data yet); `plotly_render` draws them in the browser and `report` with matplotlib.
-A chart holds one plot per run, so several runs sit side by side.
+The charts here are descriptions (`charts`: lines, heatmaps, which metric each comes from, which
+expected metric has no data yet); `plotly_render` draws them in the browser and `report` with
+matplotlib. A chart holds one plot per run, so several runs sit side by side.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
+from rl.dashboard import domains
+from rl.dashboard.charts import Chart, Heatmap, Line, Panel, Plot, Table, fmt
 from rl.dashboard.model import MetricTable, RunData
+from rl.metrics import family_member, family_of
 from rl.types import EPISODE_PHASES
 
 PARETO_WINDOW = 10  # GRPO steps averaged for the rollout points of the effort Pareto chart
-MARKERS_UP_TO = 40  # a series this short gets point markers too (one point alone draws no line)
-OVERALL = "all"  # the series aggregating a chart's others, drawn in black
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
-           "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5"]
-
-
-@dataclass
-class Line:
-    name: str
-    x: list[float]
-    y: list[float]
-    mode: str = "lines"  # plotly's scatter modes: "lines", "markers", "lines+markers+text"
-    stack: bool = False  # stacked area with the plot's other stacked lines
-    labels: list[str] | None = None  # a text beside each point
-
-
-@dataclass
-class Heatmap:
-    z: list[list[float]]
-    x: list[int]
-    y: list[str]
-
-
-@dataclass
-class Plot:
-    """One run's part of a chart; `missing` names the expected metrics with no data yet."""
-    lines: list[Line] = field(default_factory=list)
-    heatmap: Heatmap | None = None
-    missing: list[str] = field(default_factory=list)
-    caption: str = ""
-
-    @property
-    def has_data(self) -> bool:
-        return bool(self.lines) or self.heatmap is not None
-
-
-@dataclass
-class Chart:
-    id: str
-    title: str
-    x_label: str
-    y_label: str
-    plots: dict[str, Plot]  # run name -> its plot, in the order the runs were given
-    y_range: tuple[float, float] | None = None
-
-    @property
-    def has_data(self) -> bool:
-        return any(p.has_data for p in self.plots.values())
-
-
-@dataclass
-class Table:
-    id: str
-    title: str
-    columns: list[str]
-    rows: list[list[str]]
-
-
-@dataclass
-class Panel:
-    id: str
-    title: str
-    charts: list[Chart] = field(default_factory=list)
-    tables: list[Table] = field(default_factory=list)
-
-
-def series_colours(chart: Chart) -> dict[str, str]:
-    """One colour per series name, the same in every run's plot and in both renderers."""
-    names = list(dict.fromkeys(line.name for plot in chart.plots.values() for line in plot.lines))
-    others = [n for n in names if n != OVERALL]
-    colours = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(others)}
-    return {**colours, OVERALL: "#222222"} if OVERALL in names else colours
-
-
 Want = tuple[str, str]  # (label, metric key); a `*` in the key stands for one name part, `{}` in the label
 
 
-def fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
-
-
-def _plot(table: MetricTable, wants: list[Want], stacked: bool) -> Plot:
+def _plot(table: MetricTable, wants: list[Want], stacked: bool, pool_members: str | None) -> Plot:
+    """A family's domains (`*` matching `math:add-9x2`) are left out (the domain picker shows one), or with
+    pool_members ("mean" or "sum") drawn as one line per family: its domains' mean or sum at each step."""
     plot = Plot()
     for label, key in wants:
         found = table.matching(key) if "*" in key else ({label: key} if key in table.columns else {})
         if not found:
             plot.missing.append(key)
+        pooled: dict[str, dict[int, list[float]]] = {}
         for part, metric in found.items():
             xs, ys = table.series(metric)
-            plot.lines.append(Line(label.format(part) if "*" in key else label, xs, ys, stack=stacked))
+            if not family_member(part):
+                plot.lines.append(Line(label.format(part) if "*" in key else label, xs, ys, stack=stacked))
+            elif pool_members:
+                by_step = pooled.setdefault(family_of(part), {})
+                for x, y in zip(xs, ys):
+                    by_step.setdefault(x, []).append(y)
+        for family, by_step in sorted(pooled.items()):
+            steps = sorted(by_step)
+            ys = [sum(by_step[x]) / (len(by_step[x]) if pool_members == "mean" else 1) for x in steps]
+            plot.lines.append(Line(label.format(f"{family} (domains' {pool_members})"), steps, ys, stack=stacked))
     return plot
 
 
 def lines_chart(chart_id: str, title: str, y_label: str, runs: list[RunData], wants: list[Want],
                 y_range: tuple[float, float] | None = None, stacked: bool = False,
-                table: Callable[[RunData], MetricTable] = lambda run: run.grpo, x_label: str = "GRPO step") -> Chart:
-    return Chart(chart_id, title, x_label, y_label, {run.name: _plot(table(run), wants, stacked) for run in runs},
-                 y_range)
+                table: Callable[[RunData], MetricTable] = lambda run: run.grpo, x_label: str = "GRPO step",
+                pool_members: str | None = None) -> Chart:
+    return Chart(chart_id, title, x_label, y_label,
+                 {run.name: _plot(table(run), wants, stacked, pool_members) for run in runs}, y_range)
 
 
 # -- panels ----------------------------------------------------------------------------------------
@@ -119,7 +56,8 @@ def runs_panel(runs: list[RunData]) -> Panel:
     rows = []
     for run in runs:
         cfg = run.config
-        envs = ", ".join(f"{e.get('name')} ({e.get('weight', 1)})" for e in cfg.get("envs", []) if isinstance(e, dict))
+        envs = (domains.families_summary(run) if domains.has_families([run]) else
+                ", ".join(f"{e.get('name')} ({e.get('weight', 1)})" for e in cfg.get("envs", []) if isinstance(e, dict)))
         done = run.grpo.last_step
         steps = f"{0 if done is None else done + 1} / {fmt(run.planned_steps)}"
         warmup = -min(run.warmup.rows) if run.warmup.rows else 0  # the first warm-up step is -steps
@@ -129,23 +67,27 @@ def runs_panel(runs: list[RunData]) -> Panel:
                      str(warmup), fmt(run.grpo.window_mean("rollout/reward", PARETO_WINDOW)), held,
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written)) if written else "-",
                      "; ".join(run.problems) or "none"])
-    columns = ["run", "folder", "model", "environments (weight)", "GRPO steps", "warm-up steps",
+    columns = ["run", "folder", "model", "environments / families (weight)", "GRPO steps", "warm-up steps",
                f"reward (last {PARETO_WINDOW} steps)", "held-out reward before -> after", "last write", "problems"]
     return Panel("runs", "Runs", tables=[Table("runs.table", "Runs", columns, rows)])
 
 
 def rewards_panel(runs: list[RunData]) -> Panel:
+    # a run of many domains: one line per family (its domains in the Domains panel and the picker)
     charts = [
-        lines_chart("rewards.domain_reward", "Reward per domain", "reward", runs,
-                    [("all", "rollout/reward"), ("{}", "rollout/domain/*/reward")]),
-        lines_chart("rewards.domain_pass", "Pass rate per domain", "pass rate", runs,
-                    [("all", "rollout/pass_rate"), ("{}", "rollout/domain/*/pass_rate")], y_range=(0, 1)),
+        lines_chart("rewards.domain_reward", "Reward per domain (per family)", "reward", runs,
+                    [("all", "rollout/reward"), ("{}", "rollout/domain/*/reward"), ("{}", "rollout/family/*/reward")]),
+        lines_chart("rewards.domain_pass", "Pass rate per domain (per family)", "pass rate", runs,
+                    [("all", "rollout/pass_rate"), ("{}", "rollout/domain/*/pass_rate"),
+                     ("{}", "rollout/family/*/pass_rate")], y_range=(0, 1)),
         lines_chart("rewards.effort_reward", "Reward per effort level", "reward", runs,
                     [("all", "rollout/reward"), ("{}", "rollout/effort/*/reward")]),
         lines_chart("rewards.effort_pass", "Pass rate per effort level", "pass rate", runs,
                     [("all", "rollout/pass_rate"), ("{}", "rollout/effort/*/pass_rate")], y_range=(0, 1)),
     ]
-    return Panel("rewards", "Reward and pass rate", charts, [heldout_table(run) for run in runs])
+    return Panel("rewards", "Reward and pass rate", charts,
+                 [domains.heldout_family_table(run) if domains.has_families([run]) else heldout_table(run)
+                  for run in runs])
 
 
 def effort_panel(runs: list[RunData]) -> Panel:
@@ -213,7 +155,7 @@ def throughput_panel(runs: list[RunData]) -> Panel:
 def mismatch_panel(runs: list[RunData]) -> Panel:
     charts = [
         lines_chart("mismatch.gap", "Train-vs-rollout logprob gap", "mean |logprob gap|", runs,
-                    [("all", "train/mismatch"), ("{}", "train/mismatch/domain/*")]),
+                    [("all", "train/mismatch"), ("{}", "train/mismatch/domain/*")], pool_members="mean"),
         lines_chart("mismatch.is_weights", "Importance weights (learner / rollout probability)", "weight", runs,
                     [("mean", "train/is_weight_mean"), ("min", "train/is_weight_min"),
                      ("max", "train/is_weight_max"), ("std", "train/is_weight_std")]),
@@ -289,7 +231,8 @@ def env_panel(runs: list[RunData]) -> Panel:
     charts = [
         lines_chart("env.grading", "Grader failures and timeouts", "per step", runs,
                     [("grade errors (all)", "rollout/grade_errors"), ("{} grade errors", "env/*/grade_errors"),
-                     ("{} grade timeouts", "env/*/grade_timeouts"), ("{} env errors", "env/*/env_errors")]),
+                     ("{} grade timeouts", "env/*/grade_timeouts"), ("{} env errors", "env/*/env_errors")],
+                    pool_members="sum"),
         lines_chart("env.groups", "Failed, re-issued, aborted and refilled groups", "groups per step", runs,
                     [("failed", "rollout/failed_groups"), ("re-issued", "rollout/reissued"),
                      ("aborted", "async/aborted_groups"), ("refilled", "rollout/refilled_groups")]),
@@ -298,17 +241,23 @@ def env_panel(runs: list[RunData]) -> Panel:
         lines_chart("env.sandbox_acquire", "Sandbox pool: time to acquire a sandbox", "seconds", runs,
                     [("acquire", "env/sandbox_acquire_s")]),
     ]
-    return Panel("env", "Environment health", charts, [gate_table(run) for run in runs])
+    return Panel("env", "Environment health", charts,
+                 [domains.gate_family_table(run) if domains.has_families([run]) else gate_table(run) for run in runs])
 
 
 def hacking_panel(runs: list[RunData]) -> Panel:
     charts = [
         lines_chart("hack.distinct", "Distinct final answers per domain", "answers per step", runs,
-                    [("{}", "hack/*/distinct_answers")]),
+                    [("{}", "hack/*/distinct_answers")], pool_members="mean"),
         lines_chart("hack.degenerate", "Degenerate responses per domain", "fraction of samples", runs,
-                    [("{}", "hack/*/degenerate_frac")], y_range=(0, 1)),
+                    [("{}", "hack/*/degenerate_frac")], y_range=(0, 1), pool_members="mean"),
     ]
     return Panel("hacking", "Reward-hacking signals", charts)
+
+
+def domains_panel(runs: list[RunData]) -> Panel:
+    """For runs of many domains: the best and worst domains; one domain's curves come from the picker."""
+    return Panel("domains", "Domains", tables=[domains.ranking_table(run) for run in runs])
 
 
 PANELS = (runs_panel, rewards_panel, effort_panel, throughput_panel, mismatch_panel, learner_panel, moe_panel,
@@ -316,7 +265,10 @@ PANELS = (runs_panel, rewards_panel, effort_panel, throughput_panel, mismatch_pa
 
 
 def build_panels(runs: list[RunData]) -> list[Panel]:
-    return [make(runs) for make in PANELS]
+    panels = [make(runs) for make in PANELS]
+    if domains.has_families(runs):
+        panels.insert(2, domains_panel(runs))
+    return panels
 
 
 # -- tables ----------------------------------------------------------------------------------------

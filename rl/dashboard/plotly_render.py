@@ -7,7 +7,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from rl.dashboard.panels import MARKERS_UP_TO, OVERALL, Chart, Plot, series_colours
+from rl.dashboard.charts import MARKERS_UP_TO, OVERALL, Chart, Plot, series_colours
 
 HEIGHT = 340
 

@@ -12,8 +12,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from rl.dashboard.model import RunData, part_order
-from rl.dashboard.panels import (MARKERS_UP_TO, OVERALL, PARETO_WINDOW, Chart, Plot, Table, build_panels,
-                                 effort_table, fmt, gate_table, heldout_table, series_colours)
+from rl.dashboard import domains
+from rl.dashboard.charts import MARKERS_UP_TO, OVERALL, Chart, Plot, Table, fmt, series_colours
+from rl.dashboard.panels import PARETO_WINDOW, build_panels, effort_table, gate_table, heldout_table
+from rl.metrics import family_member, family_of
 from rl.dashboard.runfolder import is_run_folder
 
 COLUMNS = 2
@@ -79,8 +81,8 @@ def _config_section(run: RunData) -> list[str]:
         return ["## Configuration", "", "(no config.yaml)", ""]
     def get(section: str, key: str):
         return cfg[section].get(key, "-") if isinstance(cfg.get(section), dict) else "-"
-    envs = ", ".join(f"{e.get('name')} (weight {e.get('weight', 1)})"
-                     for e in cfg.get("envs", []) if isinstance(e, dict))
+    envs = (domains.families_summary(run) if domains.has_families([run]) else
+            ", ".join(f"{e.get('name')} (weight {e.get('weight', 1)})" for e in cfg.get("envs", []) if isinstance(e, dict)))
     budgets = get("effort", "budgets")
     rows = [["model", f"{get('model', 'preset')} (vocabulary {get('model', 'vocab_size')})"],
             ["environments", envs or "-"],
@@ -103,15 +105,36 @@ def _config_section(run: RunData) -> list[str]:
 def _gate_section(run: RunData) -> list[str]:
     if not run.gate:
         return ["## Quality gate", "", "(no gate.json: the gate was off or has not run)", ""]
+    if domains.has_families([run]):
+        return ["## Quality gate", ""] + markdown_table(domains.gate_family_table(run))
     return ["## Quality gate", ""] + markdown_table(gate_table(run))
 
 
 def _eval_section(run: RunData) -> list[str]:
     if run.eval_before is None and run.eval_after is None:
         return ["## Held-out evaluation", "", "(no eval_before.json / eval_after.json yet)", ""]
+    if domains.has_families([run]):
+        return (["## Held-out evaluation", "", "Reward per family and effort level, before -> after RL (± the "
+                 "standard error after, over every sample of the family's domains):", ""]
+                + markdown_table(domains.heldout_family_table(run)) + _domains_by_family(run)
+                + ["Per effort level, all domains:", ""] + markdown_table(effort_table(run)))
     return (["## Held-out evaluation", "", "Reward per domain and effort level, before -> after RL:", ""]
             + markdown_table(heldout_table(run))
             + ["Per effort level, all domains:", ""] + markdown_table(effort_table(run)))
+
+
+def _domains_by_family(run: RunData) -> list[str]:
+    """Each family's domains, before -> after (all effort levels), folded away under the family."""
+    table = run.eval_after or run.eval_before or {}
+    by_family: dict[str, list[str]] = {}
+    for domain in sorted(d for d in table if d != "all"):
+        by_family.setdefault(family_of(domain), []).append(domain)
+    out = []
+    for family, names in by_family.items():
+        rows = [[d] + [row[2] for row in domains.heldout_domain_rows(run, d) if row[1] == "all"] for d in names]
+        out += [f"<details><summary>{family}: {len(names)} domains</summary>", ""]
+        out += markdown_table(Table(f"heldout.{family}", "", ["domain", "all effort levels"], rows)) + ["</details>", ""]
+    return out
 
 
 def _summary_section(run: RunData) -> list[str]:
@@ -119,7 +142,9 @@ def _summary_section(run: RunData) -> list[str]:
     if not steps:
         return ["## Training", "", "(no GRPO steps in metrics.jsonl yet)", ""]
     k = max(1, min(PARETO_WINDOW, steps // 2))
-    per_domain = run.grpo.matching("rollout/domain/*/reward")
+    # a run of many domains: its families here, its best and worst domains in the table below
+    per_domain = {d: key for d, key in run.grpo.matching("rollout/domain/*/reward").items() if not family_member(d)}
+    per_domain.update(run.grpo.matching("rollout/family/*/reward"))
     wanted = SUMMARY_METRICS + [(f"reward, {domain}", key) for domain, key in per_domain.items()]
     rows = []
     for label, key in wanted:
@@ -128,7 +153,11 @@ def _summary_section(run: RunData) -> list[str]:
             rows.append([label, fmt(sum(ys[:k]) / len(ys[:k])), fmt(sum(ys[-k:]) / len(ys[-k:]))])
     table = Table("summary", "", ["metric", f"first {k} steps", f"last {k} steps"], rows)
     intro = f"{steps} GRPO steps (means over the first and the last {k}):"
-    return ["## Training", "", intro, ""] + markdown_table(table)
+    ranking = []
+    if domains.has_families([run]):
+        best_worst = domains.ranking_table(run)
+        ranking = [best_worst.title.split(": ", 1)[1].capitalize() + ":", ""] + markdown_table(best_worst)
+    return ["## Training", "", intro, ""] + markdown_table(table) + ranking
 
 
 # -- PNG -------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The sample table: recent rollouts of every run, filtered by run, domain, effort and reward."""
+"""The sample table: recent rollouts of every run, filtered by run, family, domain, effort and reward."""
 from __future__ import annotations
 
 import json
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl.dashboard.model import RunData
+from rl.metrics import family_of
 
 MAX_ROWS = 500
 GRADE_CHARS = 160
@@ -19,6 +20,7 @@ class QueryError(ValueError):
 @dataclass(frozen=True)
 class SampleQuery:
     run: str = ""  # "" = any
+    family: str = ""  # a family's domains (FAMILY:member), or a domain outside any family
     domain: str = ""
     effort: str = ""
     min_reward: float | None = None
@@ -38,13 +40,14 @@ class SampleQuery:
         limit = number("limit")
         if limit is not None and not 1 <= limit <= MAX_ROWS:
             raise QueryError(f"limit must be between 1 and {MAX_ROWS}, got {limit:g}")
-        return cls(params.get("run", ""), params.get("domain", ""), params.get("effort", ""),
+        return cls(params.get("run", ""), params.get("family", ""), params.get("domain", ""), params.get("effort", ""),
                    number("min_reward"), number("max_reward"), int(limit or cls.limit))
 
     def matches(self, run: str, record: dict[str, Any]) -> bool:
         reward = record.get("reward")
         reward = reward if isinstance(reward, (int, float)) else None
         return ((not self.run or run == self.run)
+                and (not self.family or family_of(str(record.get("domain"))) == self.family)
                 and (not self.domain or record.get("domain") == self.domain)
                 and (not self.effort or record.get("effort") == self.effort)
                 and (self.min_reward is None or (reward is not None and reward >= self.min_reward))
@@ -93,4 +96,5 @@ def filter_options(runs: list[RunData]) -> dict[str, list[str]]:
 
     domains = {str(r.get("domain")) for run in runs for r in run.samples if r.get("domain")}
     efforts = {str(r.get("effort")) for run in runs for r in run.samples if r.get("effort")}
-    return {"runs": [run.name for run in runs], "domains": sorted(domains), "efforts": sorted(efforts, key=part_order)}
+    return {"runs": [run.name for run in runs], "families": sorted({family_of(d) for d in domains}),
+            "domains": sorted(domains), "efforts": sorted(efforts, key=part_order)}

@@ -18,7 +18,9 @@ from urllib.parse import parse_qs, urlparse
 from plotly.utils import PlotlyJSONEncoder
 
 from rl.dashboard.model import RunData
-from rl.dashboard.panels import Chart, build_panels
+from rl.dashboard.charts import Chart
+from rl.dashboard.domains import domain_chart, has_families, heldout_domain_rows, run_domains
+from rl.dashboard.panels import build_panels
 from rl.dashboard.plotly_render import figure_json
 from rl.dashboard.runfolder import is_run_folder
 from rl.dashboard.samples import QueryError, SampleQuery, filter_options, find_sample, find_samples
@@ -80,8 +82,10 @@ class Dashboard:
                 "charts": [{"id": c.id, "has_data": c.has_data, "figure": self._figure(c)} for c in panel.charts],
                 "tables": [{"id": t.id, "title": t.title, "columns": t.columns, "rows": t.rows} for t in panel.tables],
             })
+        # the domain picker's choices: every domain of runs of many domains (one is drawn on request)
+        picks = sorted({d for run in self.runs for d in run_domains(run)}) if has_families(self.runs) else []
         return {"version": self.version, "runs": [run.name for run in self.runs], "panels": panels,
-                "filters": filter_options(self.runs)}
+                "filters": filter_options(self.runs), "domains": picks}
 
     def _figure(self, chart: Chart) -> dict[str, Any]:
         """Drawing a figure costs tens of milliseconds: only charts whose content changed are redrawn."""
@@ -90,6 +94,15 @@ class Dashboard:
         if cached is None or cached[0] != spec:
             cached = self._figures[chart.id] = (spec, figure_json(chart))
         return cached[1]
+
+    def domain(self, name: str) -> dict[str, Any] | None:
+        """One domain's chart (reward and pass rate per step, its family's reward) and held-out cells."""
+        with self._lock:
+            if not any(name in run_domains(run) for run in self.runs):
+                return None
+            rows = [row for run in self.runs for row in heldout_domain_rows(run, name)]
+            return {"figure": figure_json(domain_chart(self.runs, name)),
+                    "heldout": {"columns": ["run", "effort", "held-out before -> after"], "rows": rows}}
 
     def samples(self, params: dict[str, str]) -> dict[str, Any]:
         with self._lock:
@@ -122,6 +135,12 @@ class Handler(BaseHTTPRequestHandler):
                     self._send(HTTPStatus.OK, self.dashboard.state(), "application/json")
             elif url.path == "/api/samples":
                 self._json(self.dashboard.samples(params))
+            elif url.path == "/api/domain":
+                found = self.dashboard.domain(params.get("name", ""))
+                if found is None:
+                    self._json({"error": f"no domain {params.get('name', '')!r} in these runs"}, HTTPStatus.NOT_FOUND)
+                else:
+                    self._json(found, cls=PlotlyJSONEncoder)
             elif url.path == "/api/sample":
                 found = self.dashboard.sample(params.get("run", ""), params.get("uid", ""))
                 if found is None:
@@ -135,8 +154,8 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass  # the page went away mid-answer
 
-    def _json(self, obj: Any, status: HTTPStatus = HTTPStatus.OK) -> None:
-        self._send(status, json.dumps(obj, default=str).encode(), "application/json")
+    def _json(self, obj: Any, status: HTTPStatus = HTTPStatus.OK, cls: type[json.JSONEncoder] | None = None) -> None:
+        self._send(status, json.dumps(obj, default=None if cls else str, cls=cls).encode(), "application/json")
 
     def _send(self, status: HTTPStatus, body: bytes, content_type: str, cache: bool = False) -> None:
         self.send_response(status)

@@ -3,7 +3,7 @@
 
 const POLL_MS = 1000;
 const view = { version: null, figures: {}, filtersKey: "", samplesQuery: null, samplesVersion: null,
-  samplesRequest: 0, open: new Set() };
+  samplesRequest: 0, open: new Set(), domains: [], domainsKey: "", picked: null, pickRequest: 0 };
 
 function el(tag, attrs = {}, children = []) {
   const node = document.createElement(tag);
@@ -54,11 +54,46 @@ function render(state) {
     const charts = card.querySelector(".charts");
     for (const chart of panel.charts) renderChart(charts, chart);
   }
+  renderPicker(state.domains || []);
   if (!document.querySelector('#nav a[href="#panel-samples"]')) {
     nav.appendChild(el("a", { href: "#panel-samples", text: "Samples" }));
   }
   renderFilters(state.filters);
   refreshSamples();
+}
+
+// Runs of many domains: a searchable list of every domain; the chosen one's curves and held-out cells.
+function renderPicker(domains) {
+  const key = JSON.stringify(domains);
+  if (key !== view.domainsKey) {
+    view.domainsKey = key;
+    view.domains = domains;
+    document.getElementById("panel-domain").hidden = !domains.length;
+    document.getElementById("domain-list").replaceChildren(...domains.map((d) => el("option", { value: d })));
+    document.getElementById("domain-count").textContent = `${domains.length} domains`;
+    if (domains.length && !document.querySelector('#nav a[href="#panel-domain"]')) {
+      document.getElementById("nav").appendChild(el("a", { href: "#panel-domain", text: "One domain" }));
+    }
+  }
+  if (view.picked) showDomain(view.picked);  // new data: redraw the chosen domain
+}
+
+async function showDomain(name) {
+  view.picked = name;
+  const request = ++view.pickRequest;
+  const response = await fetch(`/api/domain?name=${encodeURIComponent(name)}`, { cache: "no-store" });
+  const answer = await response.json();
+  if (request !== view.pickRequest) return;
+  const holder = document.getElementById("table-domain");
+  if (answer.error) {
+    holder.replaceChildren(el("p", { class: "muted", text: answer.error }));
+    return;
+  }
+  const div = document.getElementById("chart-domain");
+  Plotly.react(div, answer.figure.data, answer.figure.layout, { responsive: true, displaylogo: false });
+  div.dataset.domain = name;
+  renderTables(holder, [{ id: "domain-heldout", title: `${name}: held-out reward`, columns: answer.heldout.columns,
+    rows: answer.heldout.rows }]);
 }
 
 function renderChart(holder, chart) {
@@ -90,7 +125,8 @@ function renderFilters(filters) {
   const key = JSON.stringify(filters);
   if (key === view.filtersKey) return;
   view.filtersKey = key;
-  for (const [id, values] of [["f-run", filters.runs], ["f-domain", filters.domains], ["f-effort", filters.efforts]]) {
+  for (const [id, values] of [["f-run", filters.runs], ["f-family", filters.families], ["f-domain", filters.domains],
+    ["f-effort", filters.efforts]]) {
     const select = document.getElementById(id);
     const chosen = select.value;
     select.replaceChildren(el("option", { value: "", text: "any" }), ...values.map((v) => el("option", { value: v, text: v })));
@@ -101,6 +137,7 @@ function renderFilters(filters) {
 function sampleQuery() {
   const params = new URLSearchParams({
     run: document.getElementById("f-run").value,
+    family: document.getElementById("f-family").value,
     domain: document.getElementById("f-domain").value,
     effort: document.getElementById("f-effort").value,
     min_reward: document.getElementById("f-min").value,
@@ -188,7 +225,10 @@ async function showDetail(row) {
   ]));
 }
 
-for (const id of ["f-run", "f-domain", "f-effort", "f-min", "f-max"]) {
+for (const id of ["f-run", "f-family", "f-domain", "f-effort", "f-min", "f-max"]) {
   for (const event of ["input", "change"]) document.getElementById(id).addEventListener(event, refreshSamples);
 }
+document.getElementById("f-pick").addEventListener("input", (event) => {
+  if (view.domains.includes(event.target.value)) showDomain(event.target.value);
+});
 poll();
