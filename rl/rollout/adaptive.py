@@ -19,10 +19,19 @@ from rl.types import Sample
 
 
 def distribution(weights: dict[str, float]) -> tuple[list[str], np.ndarray]:
-    """Names with a positive weight, sorted, and their probabilities (what SamplingPlan draws from)."""
+    """Names with a positive weight, sorted, and their cumulative probabilities, as numpy's
+    Generator.choice computes them from p (what SamplingPlan draws from: the same draws, without
+    computing them again for every group)."""
     names = sorted(name for name, w in weights.items() if w > 0)
     p = np.array([weights[name] for name in names], dtype=float)
-    return names, p / p.sum()
+    cdf = (p / p.sum()).cumsum()
+    cdf /= cdf[-1]
+    return names, cdf
+
+
+def draw(rng: np.random.Generator, cdf: np.ndarray) -> int:
+    """rng.choice(len(cdf), p=p) for the p whose cdf this is: one uniform, searched."""
+    return int(cdf.searchsorted(rng.random(), side="right"))
 
 
 class AdaptiveWeights:

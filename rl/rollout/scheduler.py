@@ -33,7 +33,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from rl.config import RolloutConfig
 from rl.metrics import rollout_metrics
-from rl.rollout.adaptive import AdaptiveWeights, distribution
+from rl.rollout.adaptive import AdaptiveWeights, distribution, draw
 from rl.rollout.worker import NoWeightsError
 from rl.types import RolloutBatch, Sample, WorkItem, env_worker_index
 
@@ -63,10 +63,10 @@ class SamplingPlan:
         """Training group `index` of the run's stream: a pure function of (seed, index), and of
         `env_weights` (adaptive sampling's, rl.rollout.adaptive.distribution) when given."""
         rng = np.random.default_rng([self.seed, index])
-        envs, p_env = env_weights or self._envs
-        levels, p_lvl = self._levels
-        env = envs[rng.choice(len(envs), p=p_env)]
-        level = levels[rng.choice(len(levels), p=p_lvl)]
+        envs, env_cdf = env_weights or self._envs
+        levels, level_cdf = self._levels
+        env = envs[draw(rng, env_cdf)]
+        level = levels[draw(rng, level_cdf)]
         tasks = task_ids[env]
         task = tasks[int(rng.integers(len(tasks)))]
         return WorkItem(uid=f"g{index}", env=env, task_id=task, effort=level, group_size=self.group_size,
@@ -99,6 +99,7 @@ class RolloutScheduler:
         self.workers = list(workers)
         self.env_workers = list(env_workers)
         self.task_ids = task_ids  # env -> split -> task ids
+        self.train_ids = {env: ids["train"] for env, ids in task_ids.items()}  # what the stream draws from
         self.plan = plan
         self.cfg = cfg
         self.load = [0] * len(self.workers)
@@ -233,7 +234,7 @@ class RolloutScheduler:
         if self.redraw:
             item = self.redraw.popleft()
         else:
-            item = self.plan.item(self.next_index, {e: ids["train"] for e, ids in self.task_ids.items()},
+            item = self.plan.item(self.next_index, self.train_ids,
                                   self.adaptive.distribution() if self.adaptive is not None else None)
             self.next_index += 1
         self.draws_since_batch += 1
