@@ -13,6 +13,7 @@ what a driver hands to processes that build environments.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -249,12 +250,30 @@ def _all_entries() -> dict[str, _Entry]:
     entries: dict[str, _Entry] = {}
     for name, target, defaults in _BUILTINS:
         entries[name] = _Entry(name, _import_target(target), "builtin", target, defaults)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for ep in _entry_points(_path_stamp()):
         entries[ep.name] = _Entry(ep.name, (lambda ep=ep: _check_class(ep.load(), ep.value)), "entry_point", ep.value)
     for name, target in _file_targets().items():
         entries[name] = _Entry(name, (lambda t=target: load_file_class(t)), "file", target)
     entries.update(_ENTRIES)
     return entries
+
+
+@functools.lru_cache(maxsize=8)
+def _entry_points(_stamp: tuple) -> tuple[importlib.metadata.EntryPoint, ...]:
+    """The installed packages' `rl.envs` entry points, read once per state of the import path (reading
+    every package's metadata takes tens of milliseconds; a run resolves hundreds of domains)."""
+    return tuple(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _path_stamp() -> tuple[tuple[str, int | None], ...]:
+    """The import path and each folder's modification time: a package installed or removed changes it."""
+    out = []
+    for path in sys.path:
+        try:
+            out.append((path, os.stat(path or ".").st_mtime_ns))
+        except OSError:
+            out.append((path, None))
+    return tuple(out)
 
 
 def _file_targets() -> dict[str, str]:

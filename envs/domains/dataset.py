@@ -54,17 +54,21 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _load(path: str, _stamp: tuple[int, int]) -> datasets.Dataset:
-    """One file (or saved dataset) as a Dataset, read once per process and version of the file (the
-    stamp: its modification time and size)."""
+def _load(path: str, _stamp: tuple[int, int]) -> dict[str, list[Any]]:
+    """One file (or saved dataset) read through `datasets`, as its columns (read once per process and
+    version of the file, the stamp: its modification time and size; a run's domains share it)."""
     data = load_tasks(path)
     if isinstance(data, datasets.DatasetDict):  # a saved DatasetDict: its splits as rows with a split column
         parts = [ds.add_column("split", [name] * len(ds)) for name, ds in data.items()]
         data = datasets.concatenate_datasets(parts)
-    return data
+    return data.to_dict()  # whole columns at once: a Dataset's column is read a row at a time
 
 
-def load(path: Path) -> datasets.Dataset:
+def _length(columns: dict[str, list[Any]]) -> int:
+    return len(next(iter(columns.values()), []))
+
+
+def load(path: Path) -> dict[str, list[Any]]:
     stat = path.stat()
     return _load(str(path), (stat.st_mtime_ns, stat.st_size))
 
@@ -102,10 +106,10 @@ class DatasetEnv(Environment):
             return {p.stem: {"subset": p.stem} for p in _files_of(path)}
         if not path.exists():
             raise FileNotFoundError(f"dataset: data_files not found: {data_files}")
-        ds = load(path)
-        if subset_column not in ds.column_names:
+        columns = load(path)
+        if subset_column not in columns:
             return {path.stem.split(".")[0]: {"subset": None}}
-        return {str(v): {"subset": str(v)} for v in sorted(set(ds[subset_column]))}
+        return {v: {"subset": v} for v in sorted({str(v) for v in columns[subset_column]})}
 
     def make_grader(self) -> Grader:
         return DatasetGrader(self.match)
@@ -115,25 +119,30 @@ class DatasetEnv(Environment):
             files = {p.stem: p for p in _files_of(self.path)}
             if self.subset not in files:
                 raise ValueError(f"dataset: {self.path} has no file for subset {self.subset!r}; it has {sorted(files)}")
-            ds = load(files[self.subset])
+            columns = load(files[self.subset])
+            rows = list(range(_length(columns)))
         else:
-            ds = load(self.path)
+            columns = load(self.path)
+            rows = list(range(_length(columns)))
             if self.subset is not None:
-                if self.subset_column not in ds.column_names:
+                if self.subset_column not in columns:
                     raise ValueError(f"dataset: {self.path} has no column {self.subset_column!r} to pick "
                                      f"subset {self.subset!r} from")
-                ds = ds.select([i for i, v in enumerate(ds[self.subset_column]) if str(v) == self.subset])
+                rows = [i for i in rows if str(columns[self.subset_column][i]) == self.subset]
         for column in (self.question_column, self.answer_column):
-            if column not in ds.column_names:
-                raise ValueError(f"dataset: {self.path} has no column {column!r}; columns: {ds.column_names}")
-        if len(ds) == 0:
+            if column not in columns:
+                raise ValueError(f"dataset: {self.path} has no column {column!r}; columns: {list(columns)}")
+        if not rows:
             raise ValueError(f"dataset: subset {self.subset!r} of {self.path} has no rows")
-        ids = ds["task_id"] if "task_id" in ds.column_names else [f"{self.subset or 'row'}-{i}" for i in range(len(ds))]
-        tasks = [{"task_id": str(tid), "question": str(q), "answer": str(a)}
-                 for tid, q, a in zip(ids, ds[self.question_column], ds[self.answer_column])]
-        if "split" not in ds.column_names:
+        if "task_id" in columns:
+            ids = [str(columns["task_id"][i]) for i in rows]
+        else:
+            ids = [f"{self.subset or 'row'}-{k}" for k in range(len(rows))]
+        tasks = [{"task_id": tid, "question": str(columns[self.question_column][i]),
+                  "answer": str(columns[self.answer_column][i])} for tid, i in zip(ids, rows)]
+        if "split" not in columns:
             return tasks  # split by a hash of task_id
-        splits = [str(s).lower() for s in ds["split"]]
+        splits = [str(columns["split"][i]).lower() for i in rows]
         return {"train": [t for t, s in zip(tasks, splits) if s == "train"],
                 "heldout": [t for t, s in zip(tasks, splits) if s in _HELDOUT]}
 
