@@ -53,14 +53,15 @@ def main() -> None:
         at_start = worker_memory()
         started = time.perf_counter()
         first = workers[0]  # rl.cluster.start_policy_side lists every domain's tasks from the first worker
-        tasks = sum(len(ray.get(first.task_ids.remote(name, split))) for name in names for split in ("train", "heldout"))
+        tasks = sum(len(ray.get(first.task_ids.remote(name, split)))
+                    for name in names for split in ("train", "heldout"))
         list_s = time.perf_counter() - started
         after = worker_memory()
         print(f"{args.config}: {len(names)} domains, {len(workers)} environment workers; started and answering "
               f"in {start_s:.1f} s; memory per worker at start (USS/RSS MiB): "
               f"{', '.join(f'{u:.0f}/{r:.0f}' for u, r in at_start)}; every domain's task ids ({tasks} tasks) listed "
-              f"from the first worker in {list_s:.1f} s; memory then: {', '.join(f'{u:.0f}/{r:.0f}' for u, r in after)}; "
-              f"load average {os.getloadavg()[0]:.1f}")
+              f"from the first worker in {list_s:.1f} s; memory then: "
+              f"{', '.join(f'{u:.0f}/{r:.0f}' for u, r in after)}; load average {os.getloadavg()[0]:.1f}")
         for w in workers:
             ray.get(w.close.remote())
     finally:

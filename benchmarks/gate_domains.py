@@ -38,7 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/many_domains.yaml")
     parser.add_argument("--workers", type=int, default=None, help="gate workers (default: the config's)")
-    parser.add_argument("--serial-sample", type=int, default=10, help="domains checked the old way, one per family first")
+    parser.add_argument("--serial-sample", type=int, default=10,
+                        help="domains checked the old way, as many of each family")
     args = parser.parse_args()
     cfg = load_config(args.config, ["logging.wandb_mode=disabled"])
     workers = args.workers or cfg.gate.workers or cfg.rollout.env_workers
@@ -64,8 +65,9 @@ def main() -> None:
               f"{sum(r.get('gate_s') or 0.0 for r in first.values()):.1f} s", flush=True)
         load = os.getloadavg()[0]
         second_s, second = run(checks, cfg.gate.max_tasks, workers, cache)
-        print(f"second run (the cache from the first): {second_s:.1f} s, {sum(bool(r.get('cached')) for r in second.values())} "
-              f"from the cache; load average {load:.1f}", flush=True)
+        cached = sum(bool(r.get("cached")) for r in second.values())
+        print(f"second run (the cache from the first): {second_s:.1f} s, {cached} from the cache; "
+              f"load average {load:.1f}", flush=True)
         changed = data_copy / "word_tasks.parquet"
         if changed.exists():  # one data file edited: a space after every question
             import datasets

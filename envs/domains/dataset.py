@@ -96,7 +96,8 @@ class DatasetEnv(Environment):
         super().__init__(**kwargs)
 
     @classmethod
-    def domains(cls, data_files: str | None = None, subset_column: str = "subset", **kwargs: Any) -> dict[str, dict[str, Any]]:
+    def domains(cls, data_files: str | None = None, subset_column: str = "subset",
+                **kwargs: Any) -> dict[str, dict[str, Any]]:
         """A folder of files: one domain per file; a file: one per value of its subset column (the file's
         stem when it has none). None before data_files is given."""
         if not data_files:

@@ -84,7 +84,8 @@ def ranking_table(run: RunData, n: int = BEST_WORST, steps: int = RANK_STEPS) ->
 def pool(cells: list[dict[str, Any]]) -> dict[str, float] | None:
     """One cell of several (reward, stderr, n, pass_rate, tokens): the mean and standard error of all
     their samples together, exactly (stderr = sqrt(sample variance / n) in each)."""
-    cells = [c for c in cells if isinstance(c.get("reward"), (int, float)) and isinstance(c.get("n"), int) and c["n"] > 0]
+    cells = [c for c in cells
+             if isinstance(c.get("reward"), (int, float)) and isinstance(c.get("n"), int) and c["n"] > 0]
     n = sum(c["n"] for c in cells)
     if not n:
         return None
@@ -188,4 +189,5 @@ def domain_chart(runs: list[RunData], domain: str) -> Chart:
 
 def families_summary(run: RunData) -> str:
     """`math x49 (weight 6), lookup x32 (weight 32)` for the config's environments."""
-    return ", ".join(f"{f} x{n} (weight {w:g})" if n > 1 else f"{f} ({w:g})" for f, (n, w) in family_weights(run).items())
+    return ", ".join(f"{f} x{n} (weight {w:g})" if n > 1 else f"{f} ({w:g})"
+                     for f, (n, w) in family_weights(run).items())

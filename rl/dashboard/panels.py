@@ -57,7 +57,8 @@ def runs_panel(runs: list[RunData]) -> Panel:
     for run in runs:
         cfg = run.config
         envs = (domains.families_summary(run) if domains.has_families([run]) else
-                ", ".join(f"{e.get('name')} ({e.get('weight', 1)})" for e in cfg.get("envs", []) if isinstance(e, dict)))
+                ", ".join(f"{e.get('name')} ({e.get('weight', 1)})"
+                          for e in cfg.get("envs", []) if isinstance(e, dict)))
         done = run.grpo.last_step
         steps = f"{0 if done is None else done + 1} / {fmt(run.planned_steps)}"
         warmup = -min(run.warmup.rows) if run.warmup.rows else 0  # the first warm-up step is -steps

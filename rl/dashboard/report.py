@@ -82,7 +82,8 @@ def _config_section(run: RunData) -> list[str]:
     def get(section: str, key: str):
         return cfg[section].get(key, "-") if isinstance(cfg.get(section), dict) else "-"
     envs = (domains.families_summary(run) if domains.has_families([run]) else
-            ", ".join(f"{e.get('name')} (weight {e.get('weight', 1)})" for e in cfg.get("envs", []) if isinstance(e, dict)))
+            ", ".join(f"{e.get('name')} (weight {e.get('weight', 1)})"
+                      for e in cfg.get("envs", []) if isinstance(e, dict)))
     budgets = get("effort", "budgets")
     rows = [["model", f"{get('model', 'preset')} (vocabulary {get('model', 'vocab_size')})"],
             ["environments", envs or "-"],
@@ -133,7 +134,8 @@ def _domains_by_family(run: RunData) -> list[str]:
     for family, names in by_family.items():
         rows = [[d] + [row[2] for row in domains.heldout_domain_rows(run, d) if row[1] == "all"] for d in names]
         out += [f"<details><summary>{family}: {len(names)} domains</summary>", ""]
-        out += markdown_table(Table(f"heldout.{family}", "", ["domain", "all effort levels"], rows)) + ["</details>", ""]
+        table = Table(f"heldout.{family}", "", ["domain", "all effort levels"], rows)
+        out += markdown_table(table) + ["</details>", ""]
     return out
 
 

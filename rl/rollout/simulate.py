@@ -189,8 +189,8 @@ class World:
             group.waiting -= take
             group.holding += take
             for _ in range(take):
-                latency = min(self.cfg.episode_cap_s,
-                              self.cfg.episode_median_s * float(np.exp(self.cfg.episode_sigma * self.rng.standard_normal())))
+                spread = float(np.exp(self.cfg.episode_sigma * self.rng.standard_normal()))
+                latency = min(self.cfg.episode_cap_s, self.cfg.episode_median_s * spread)
                 version = group.worker.version
                 group.handles.append(self.loop.call_later(latency, self._episode_done, group, version))
             if not group.waiting:

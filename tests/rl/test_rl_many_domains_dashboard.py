@@ -105,7 +105,8 @@ def test_a_step_of_200_domains_stays_small_in_every_sink(many_run):
 
 def test_family_cells_pool_their_domains_samples_exactly():
     rng = random.Random(1)
-    samples = [_sample(rng, d, f"e/{d}/{i}", rng.random(), "low", 0) for d in DOMAINS[:60] for i in range(rng.randint(1, 9))]
+    samples = [_sample(rng, d, f"e/{d}/{i}", rng.random(), "low", 0)
+               for d in DOMAINS[:60] for i in range(rng.randint(1, 9))]
     per_domain = summarise_eval(samples)
     by_family = summarise_eval([Sample(**{**vars(s), "domain": s.domain.split(":")[0]}) for s in samples])
     pooled = family_eval(per_domain)
@@ -164,7 +165,8 @@ def test_the_page_of_200_domains_in_a_browser(browser, many_run, tmp_path):  # n
         browser.execute_script("const i = document.getElementById('f-pick'); i.value = arguments[0];"
                                "i.dispatchEvent(new Event('input'))", picked)
         wait_for(browser, f"document.getElementById('chart-domain').dataset.domain === '{picked}' && "
-                          "document.getElementById('chart-domain').querySelector('.main-svg')", what="the picked domain")
+                          "document.getElementById('chart-domain').querySelector('.main-svg')",
+                 what="the picked domain")
         traces = browser.execute_script("return document.getElementById('chart-domain').data.map(t => t.name)")
         assert traces[-1] == "family lookup" and "reward" in traces
         heldout = browser.execute_script("return document.getElementById('table-domain').textContent")
