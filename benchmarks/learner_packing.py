@@ -22,7 +22,7 @@ import numpy as np
 import ray
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repo's packages before benchmarks/ (whose sandbox.py would shadow one)
+sys.path.insert(0, str(ROOT))  # the repo's packages, and benchmarks/ as the package `benchmarks`
 
 from benchmarks.bench_common import log, write_json  # noqa: E402
 from rl.config import TrainConfig, load_config  # noqa: E402

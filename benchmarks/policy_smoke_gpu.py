@@ -1,6 +1,6 @@
 """GPU smoke + timing for the policy (one H200): the `small` preset in bf16 on CUDA.
 
-    python benchmarks/policy_gpu_smoke.py [--seq 4096]
+    python benchmarks/policy_smoke_gpu.py [--seq 4096]
 
 Checks that every path runs on CUDA (train step with routing record + replay, DSA, AttnRes,
 prefill + decode with the cache, after_optimizer_step) and prints fwd+bwd time per step and

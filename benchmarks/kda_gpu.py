@@ -1,9 +1,9 @@
 """GPU benchmark (one H200): fla-core chunk_kda alone vs our kimi_kernels.kda dispatch, and torch path
-agreement. The whole model's step is in benchmarks/gpu_model.py.
+agreement. The whole model's step is in benchmarks/train_step_gpu.py.
 
 Run on the device machine (fla-core installed, e.g. from a carried wheel):
 
-    python benchmarks/gpu_kda.py --seq 8192 [--json $OUT/gpu_kda.json] [--only decode]
+    python benchmarks/kda_gpu.py --seq 8192 [--json $OUT/gpu_kda.json] [--only decode]
 
 Timings: CUDA events, median of --iters after --warmup calls (the first call also pays
 Triton compilation/autotuning). fwd+bwd = forward, then backward from fixed random

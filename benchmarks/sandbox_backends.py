@@ -1,6 +1,6 @@
 """Sandbox benchmarks: both backends beside the raw docker SDK doing the same work, in one run.
 
-    .venv/bin/python benchmarks/sandbox.py [--episodes 64] [--steps 10] [--execs 300]
+    .venv/bin/python benchmarks/sandbox_backends.py [--episodes 64] [--steps 10] [--execs 300]
                                            [--backends process,docker,raw] [--json out.json]
 
 Measures exec round trip (p50/p99), sandbox start, snapshot, fork, warm pool

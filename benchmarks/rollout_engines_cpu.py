@@ -21,8 +21,8 @@ routing gives them on average), timed here with torch.mm on the same threads. No
 faster than that floor; the attention, KDA recurrence and elementwise work come on top. Time it
 with nothing else running (the machine has 2 cores).
 
-    .venv/bin/python benchmarks/rollout.py                       # all three, 1/8/32/128 sequences
-    .venv/bin/python benchmarks/rollout.py --seqs 1 32 --new 32 --json /tmp/rollout.json
+    .venv/bin/python benchmarks/rollout_engines_cpu.py                       # all three, 1/8/32/128 sequences
+    .venv/bin/python benchmarks/rollout_engines_cpu.py --seqs 1 32 --new 32 --json /tmp/rollout.json
 """
 from __future__ import annotations
 

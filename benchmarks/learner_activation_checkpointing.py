@@ -2,7 +2,7 @@
 peak memory of forward + backward (CUDA), and the time, with and without
 `set_activation_checkpointing(True)`, on one model in one process.
 
-    python benchmarks/activation_checkpointing.py [--preset small] [--batch 4] [--seq 1024] [--device cuda]
+    python benchmarks/learner_activation_checkpointing.py [--preset small] [--batch 4] [--seq 1024] [--device cuda]
 """
 from __future__ import annotations
 

@@ -11,14 +11,14 @@ a timing: it can run alongside anything).
   be a + b * tokens on the three (else the script stops), then scaled to the context and, for the
   presets, to their layer counts.
 
-Models: the Kimi-Linear-shaped toy of benchmarks/rollout.py (3 KDA + 1 MLA, float32 as on CPU;
+Models: the Kimi-Linear-shaped toy of benchmarks/rollout_engines_cpu.py (3 KDA + 1 MLA, float32 as on CPU;
 measured whole, and also prefilled at --prefill lengths to check the extrapolation), and presets
 of policy/config.py in bfloat16 (as on GPU). A preset is measured on a stand-in of 1 KDA + 1 MLA
 layer with its attention shapes and hidden size, experts and vocabulary cut (no cache tensor
 depends on those), so nothing of the preset's size is allocated. transformers has no DSA layer:
 for DSA presets its column is an MLA cache of the same shapes.
 
-    .venv/bin/python benchmarks/cache_bytes.py --json /tmp/cache_bytes.json
+    .venv/bin/python benchmarks/rollout_cache_bytes.py --json /tmp/cache_bytes.json
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_common import log, write_json  # noqa: E402
-from benchmarks.rollout import kimi_linear  # noqa: E402
+from benchmarks.rollout_engines_cpu import kimi_linear  # noqa: E402
 from policy.config import ModelConfig, get_config  # noqa: E402
 from policy.slot_cache import BLOCK_SIZE, SlotCache  # noqa: E402
 
@@ -138,7 +138,7 @@ def main() -> None:
     toy = kimi_linear(vocab=2048, hidden=256, seed=0)
     toy_cfg = config_from_hf(toy.config.to_dict())
     fits = fit_by_kind(toy)
-    results["rows"].append(row("toy (benchmarks/rollout.py)", toy_cfg, torch.float32, fits))
+    results["rows"].append(row("toy (benchmarks/rollout_engines_cpu.py)", toy_cfg, torch.float32, fits))
     for t in args.prefill:
         measured = sum(cache_bytes_per_layer(toy, t))
         check = {"tokens": t, "measured": measured, "extrapolated": hf_total(fits, toy_cfg, t)}

@@ -3,7 +3,7 @@ uses) against the full logits + log_softmax (what it replaced), side by side in 
 and backward, at K3's vocabulary. Each variant runs in its own process so its peak memory is its
 own: peak RSS growth on CPU, peak allocated on CUDA.
 
-    python benchmarks/token_logprobs.py [--tokens 1024] [--hidden 2304] [--vocab 163840] [--device cpu]
+    python benchmarks/learner_token_logprobs.py [--tokens 1024] [--hidden 2304] [--vocab 163840] [--device cpu]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """GPU benchmark (one H200): the `small` preset's training step (forward + backward), fast paths
 against the reference paths in one run, with model FLOP utilisation and a kernel-time profile.
 
-    python benchmarks/gpu_model.py --seq 8192 --batch 1 4 [--json $OUT/gpu_model.json]
+    python benchmarks/train_step_gpu.py --seq 8192 --batch 1 4 [--json $OUT/gpu_model.json]
 
 Configurations, each timed on the same weights and tokens:
   fast       fla chunk_kda, SDPA attention (flash / memory-efficient), grouped-GEMM MoE, fused

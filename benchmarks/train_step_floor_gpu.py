@@ -9,10 +9,10 @@ bounds the step time from below and the model FLOP utilisation from above:
              masked form is timed too but not counted (a sparse kernel would do less)
   loss       float32 logits and cross-entropy over the vocabulary
 
-    python benchmarks/gpu_floor.py --preset small --seq 8192 --batch 4 [--json $OUT/gpu_floor.json]
+    python benchmarks/train_step_floor_gpu.py --preset small --seq 8192 --batch 4 [--json $OUT/gpu_floor.json]
 
 Norms, gates, the indexer, routing and every other elementwise op are left out, so the real
-step is slower than this floor; MFU counts 6 x active parameters per token, as gpu_model.py does.
+step is slower than this floor; MFU counts 6 x active parameters per token, as train_step_gpu.py does.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The benchmark's workload: the `lookup` domain with a realistic long tail of tool and grader
 latency (a Pareto-distributed `search` delay and a fixed grading delay), the same for every run
-since each delay is a pure function of (task, turn). Registered by benchmarks/pipeline.py."""
+since each delay is a pure function of (task, turn). Registered by benchmarks/async_vs_sync.py."""
 from __future__ import annotations
 
 import random

@@ -3,7 +3,7 @@
 sequences, and the train-vs-rollout logprob gap (the learner's HFPolicy forward, float32, on the
 tokens vLLM sampled, against the logprobs vLLM reported).
 
-    python benchmarks/vllm_cpu.py [--tokens 32] [--concurrency 1 32] [--vllm-dtype bfloat16]
+    python benchmarks/rollout_vllm_cpu.py [--tokens 32] [--concurrency 1 32] [--vllm-dtype bfloat16]
 
 The checkpoint comes from `rl model import smollm2` (converted once, cached under .cache/)."""
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The native rollout engine's decode throughput on one GPU, beside its memory-bandwidth bound.
 
-    python3 benchmarks/rollout_gpu.py --preset small --seqs 64 256
-    python3 benchmarks/rollout_gpu.py --preset kimi-linear-4l --seqs 64 --json $OUT/rollout_gpu.json
-    python3 benchmarks/rollout_gpu.py --preset small --seqs 64 --long-context 131072
+    python3 benchmarks/rollout_decode_gpu.py --preset small --seqs 64 256
+    python3 benchmarks/rollout_decode_gpu.py --preset kimi-linear-4l --seqs 64 --json $OUT/rollout_gpu.json
+    python3 benchmarks/rollout_decode_gpu.py --preset small --seqs 64 --long-context 131072
 
 Each size runs in several modes in one process (`--modes` picks), eager decode beside the CUDA-graph
 decode (rl/rollout/decode_graphs.py), the graphs with overlapped steps (each launched before the

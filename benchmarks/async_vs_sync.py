@@ -1,13 +1,13 @@
 """Synchronous vs asynchronous GRPO, in one run, on the same config and seed.
 
-The workload (benchmarks/pipeline_env.py) is the `lookup` tool-use domain with a long tail of tool
+The workload (benchmarks/async_vs_sync_env.py) is the `lookup` tool-use domain with a long tail of tool
 latency (Pareto, median 0.3 s, capped at 8 s) and 0.2 s of grading per episode: a synchronous step
 waits for its slowest episode, an asynchronous one does not. Both runs train the toy policy for the
 same number of GRPO steps (so the same number of trained samples) from the same warm-up, and
 measure held-out reward before and after.
 
-    .venv/bin/python benchmarks/pipeline.py                     # k = 0 vs k = 2, 24 steps
-    .venv/bin/python benchmarks/pipeline.py --staleness 1 --steps 12 --json /tmp/pipeline.json
+    .venv/bin/python benchmarks/async_vs_sync.py                     # k = 0 vs k = 2, 24 steps
+    .venv/bin/python benchmarks/async_vs_sync.py --staleness 1 --steps 12 --json /tmp/pipeline.json
 
 Reported per mode: samples/s over the GRPO phase (every sample played: trained and dropped),
 trained samples/s, learner idle fraction (waiting for a batch or for the weight push), rollout
@@ -80,7 +80,7 @@ def main() -> None:
     from envs.registry import register_file, unregister
     from rl.trainer import train
 
-    register_file(f"{REPO / 'benchmarks' / 'pipeline_env.py'}:SlowLookupEnv")
+    register_file(f"{REPO / 'benchmarks' / 'async_vs_sync_env.py'}:SlowLookupEnv")
     results: dict = {"args": vars(args)}
     try:
         with tempfile.TemporaryDirectory() as tmp:
