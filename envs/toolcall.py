@@ -1,6 +1,8 @@
 """Parse tool calls written in assistant text and check their arguments against a JSON schema.
 
 Format: <|tool_call|>{"name": ..., "arguments": {...}}<|/tool_call|>
+A turn may open with reasoning, <|think|> ... <|/think|>: it is set apart first, so a tool call or an
+answer written inside it is never taken (reasoning cut off before its close tag is all reasoning).
 Nothing here raises on bad model output: problems come back as an error string that the
 environment shows to the model as an observation.
 """
@@ -14,6 +16,8 @@ from envs.json_input import JsonInputError, parse_json
 
 OPEN = "<|tool_call|>"
 CLOSE = "<|/tool_call|>"
+THINK = "<|think|>"
+THINK_CLOSE = "<|/think|>"
 
 
 @dataclass
@@ -26,9 +30,10 @@ class ToolCall:
 class ParsedTurn:
     """An assistant turn split into its text and (at most one) tool call."""
 
-    text: str  # the assistant text outside the tool call
+    text: str  # the assistant text outside the reasoning and the tool call
     call: ToolCall | None = None
     error: str | None = None  # set when the turn tried to call a tool but the call is malformed
+    reasoning: str = ""  # the turn's reasoning (never parsed for calls or answers)
 
     @property
     def wants_tool(self) -> bool:
@@ -40,8 +45,31 @@ def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
     return OPEN + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + CLOSE
 
 
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(the turn's reasoning, the rest). The first <|think|> opens it and the next <|/think|> closes
+    it; unclosed, it runs to the end. A close tag with no open tag ends reasoning the prompt opened."""
+    start = text.find(THINK)
+    if start < 0:
+        end = text.find(THINK_CLOSE)
+        if end < 0:
+            return "", text
+        return text[:end], text[end + len(THINK_CLOSE):]
+    end = text.find(THINK_CLOSE, start + len(THINK))
+    if end < 0:
+        return text[start + len(THINK):], text[:start]
+    return text[start + len(THINK):end], text[:start] + text[end + len(THINK_CLOSE):]
+
+
 def parse_turn(text: str) -> ParsedTurn:
-    """Find the first tool call in `text`. Generation stops at the close tag, so only one is used."""
+    """Find the first tool call in `text` outside its reasoning. Generation stops at the close tag,
+    so only one is used."""
+    reasoning, text = split_reasoning(text)
+    parsed = _parse_action(text)
+    parsed.reasoning = reasoning
+    return parsed
+
+
+def _parse_action(text: str) -> ParsedTurn:
     start = text.find(OPEN)
     if start < 0:
         if CLOSE in text:

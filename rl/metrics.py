@@ -105,6 +105,7 @@ def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str
         out[f"rollout/domain/{domain}/reward"] = sum(s.reward for s in group) / len(group)
         out[f"rollout/domain/{domain}/pass_rate"] = sum(s.passed for s in group) / len(group)
         out[f"rollout/domain/{domain}/episodes"] = float(len(group))
+    out.update(effort_budget_metrics(samples))
     out["rollout/samples"] = float(len(samples))
     out["rollout/episodes"] = float(len(buckets["all"]))
     out["rollout/truncated"] = sum(s.truncated for s in samples) / max(len(samples), 1)
@@ -112,4 +113,35 @@ def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str
     out["rollout/turns"] = sum(s.num_turns for s in samples) / max(len(samples), 1)
     sampled = [s for s in samples if s.weight_version >= 0]  # a sample with no generated token has no lag
     out["rollout/weight_lag"] = sum(current_version - s.weight_version for s in sampled) / max(len(sampled), 1)
+    return out
+
+
+def budget_stats(samples: Iterable[Sample]) -> dict[str, float]:
+    """Over the episodes of `samples` (each once, its segments summed) that recorded an effort budget:
+    reasoning tokens, the share of the budget used, and the shares of episodes whose reasoning the
+    budget forced closed (`forced`), that the budget ended (`budget_cut`), and that ended on their own
+    within it (`within_budget`: neither). Empty when none recorded a budget."""
+    reasoning: dict[str, int] = defaultdict(int)
+    for s in samples:
+        reasoning[s.episode] += s.reasoning_tokens
+    rows = [(s, length, reasoning[s.episode]) for s, length in episodes(list(samples)) if s.budget > 0]
+    if not rows:
+        return {}
+    n = len(rows)
+    return {"reasoning_tokens": sum(r for _, _, r in rows) / n,
+            "budget_used": sum(length / s.budget for s, length, _ in rows) / n,
+            "forced": sum(s.forced_turns > 0 for s, _, _ in rows) / n,
+            "budget_cut": sum(s.budget_cut for s, _, _ in rows) / n,
+            "within_budget": sum(not s.budget_cut and not s.forced_turns for s, _, _ in rows) / n}
+
+
+def effort_budget_metrics(samples: Iterable[Sample]) -> dict[str, float]:
+    """budget_stats overall (`rollout/...`) and per effort level (`rollout/effort/<level>/...`)."""
+    samples = list(samples)
+    levels: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        levels[s.effort].append(s)
+    out = {f"rollout/{k}": v for k, v in budget_stats(samples).items()}
+    for level, group in levels.items():
+        out.update({f"rollout/effort/{level}/{k}": v for k, v in budget_stats(group).items()})
     return out

@@ -20,7 +20,9 @@ class WorkItem:
     effort: str
     group_size: int
     seed: int  # the episodes' environment seed and, member by member, their sampling streams
-    max_new_tokens: int  # per assistant turn, from the effort budget
+    # the episode's budget of generated tokens, reasoning and response over all its turns, from the
+    # effort level (effort.budgets); rl.rollout.worker says what happens when it runs out
+    max_new_tokens: int
     temperature: float
     top_p: float
     index: int = -1  # position in the run's stream of training groups (-1: evaluation)
@@ -65,6 +67,12 @@ class Sample:
     segment: int = 0  # an episode rebuilt by the context policy trains as several segments
     # the episode's wall time by EPISODE_PHASES (seconds; every segment carries the whole episode's)
     phase_s: dict[str, float] = field(default_factory=dict)
+    # the effort budget (every segment carries the whole episode's): tokens it allowed (0: none
+    # recorded), turns whose reasoning the worker closed at the budget, whether the budget ended it
+    budget: int = 0
+    forced_turns: int = 0
+    budget_cut: bool = False
+    reasoning_tokens: int = 0  # generated tokens of reasoning in this segment (among response_tokens)
 
     @property
     def episode(self) -> str:

@@ -1,0 +1,113 @@
+"""Multi-hop lookups: a key leads to another key or to a number; follow the links with the `search`
+tool, one call a hop, and answer with the number at the end. A task of k hops needs k tool calls,
+so more effort (a larger token budget for the episode) reaches further: the domain where effort
+pays, for a toy policy that copies well and for a small pretrained one.
+
+The corpus is generated from a seed (nothing to download): chains of `max_hops` keys ending in a
+number ("amber-fox: go to calm-owl", ..., "calm-owl: 4821"); each key of a chain starts a task, so
+hops run from 1 to max_hops in equal numbers. Train and held-out tasks come from different chains.
+
+Reference solutions depend on the effort level the episode was reset with: their reasoning
+(`<|think|>` ... `<|/think|>`) grows with the level (none at low; the next key at medium; at high
+also the path so far; at max also a check of the path before answering), so a warm-up on them
+teaches the format and what each level spends.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from envs.base import Environment, Tool
+from envs.domains.lookup import _ADJ, _NOUN, LookupGrader, normalise
+from envs.grades import Grader
+from envs.toolcall import THINK, THINK_CLOSE, format_tool_call
+
+
+def _chains(seed: int, max_hops: int) -> list[tuple[list[str], str]]:
+    """Every key in a chain of `max_hops` keys; each chain ends in a number."""
+    rng = random.Random(f"multihop/{seed}/{max_hops}")
+    keys = [f"{a}-{n}" for a in _ADJ for n in _NOUN]
+    rng.shuffle(keys)
+    return [(keys[i:i + max_hops], str(rng.randint(100, 999)))
+            for i in range(0, len(keys) - max_hops + 1, max_hops)]
+
+
+def _think(text: str) -> str:
+    return f"{THINK}{text}{THINK_CLOSE}" if text else ""
+
+
+class MultiHopEnv(Environment):
+    """Follow links between keys with `search`. Knobs: max_hops (1-6), n_train, n_heldout, seed."""
+
+    name = "multihop"
+    domain = "multi_hop"
+    system_prompt = ("Look keys up with the search tool. A key leads to another key or to a number: follow "
+                     "the links to the number, one search a key, then reply: The answer is <number>.")
+
+    def __init__(self, max_hops: int = 4, n_train: int = 400, n_heldout: int = 60, seed: int = 0,
+                 **kwargs: Any) -> None:
+        if not 1 <= int(max_hops) <= 6:
+            raise ValueError(f"multihop: max_hops must be between 1 and 6, got {max_hops}")
+        self.max_hops, self.n_train, self.n_heldout, self.seed = int(max_hops), n_train, n_heldout, seed
+        self.max_turns = self.max_hops + 1  # one search a hop, then the answer
+        self._entries: dict[str, str] | None = None
+        super().__init__(**kwargs)
+
+    def _corpus(self) -> dict[str, str]:
+        if self._entries is None:
+            self._entries = {}
+            for keys, value in _chains(self.seed, self.max_hops):
+                for key, nxt in zip(keys, keys[1:]):
+                    self._entries[key] = f"{key}: go to {nxt}"
+                self._entries[keys[-1]] = f"{keys[-1]}: {value}"
+        return self._entries
+
+    def make_grader(self) -> Grader:
+        return LookupGrader()
+
+    def make_tools(self) -> list[Tool]:
+        return [Tool(
+            name="search",
+            description="Look a key up; returns where it leads.",
+            parameters={"type": "object", "properties": {"query": {"type": "string"}},
+                        "required": ["query"], "additionalProperties": False},
+            run=self.search,
+        )]
+
+    def search(self, query: str) -> str:
+        return self._corpus().get(normalise(query), "no results")
+
+    def build_tasks(self) -> Any:
+        chains = _chains(self.seed, self.max_hops)
+        n_held_chains = max(1, -(-self.n_heldout // self.max_hops))
+        splits: dict[str, list[dict[str, Any]]] = {"train": [], "heldout": []}
+        for c, (keys, value) in enumerate(chains):
+            split = "heldout" if c < n_held_chains else "train"
+            for start in range(len(keys)):
+                path = keys[start:]
+                splits[split].append({"task_id": f"multihop-{self.seed}-{path[0]}", "start": path[0],
+                                      "path": path, "hops": len(path), "answer": value})
+        rng = random.Random(f"multihop/tasks/{self.seed}/{self.max_hops}")
+        for split, n in (("train", self.n_train), ("heldout", self.n_heldout)):
+            rng.shuffle(splits[split])
+            splits[split] = splits[split][:n]
+        return splits
+
+    def prompt(self, task: dict[str, Any]) -> str:
+        return f"Start at {task['start']}. Follow the links to a number."
+
+    def reference_actions_for(self, task: dict[str, Any]) -> list[str]:
+        """One search a hop, then the answer; the reasoning grows with the episode's effort level."""
+        level = self._effort
+        path, turns = list(task["path"]), []
+        for i, key in enumerate(path):
+            thought = {"low": "", "medium": key, "high": " > ".join(path[:i + 1]),
+                       "max": " > ".join(path[:i + 1])}[level]
+            turns.append(_think(thought) + format_tool_call("search", {"query": key}))
+        final = {"low": "", "medium": "", "high": "",
+                 "max": f"{' > '.join(path)} > {task['answer']}"}[level]
+        turns.append(_think(final) + f"The answer is {task['answer']}.")
+        return turns
+
+    def grade_payload(self, task: dict[str, Any], final_answer: str | None) -> dict[str, Any]:
+        return {"response": final_answer, "gold": task["answer"]}
