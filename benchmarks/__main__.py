@@ -11,6 +11,7 @@ the commands that measured them: benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import ast
+import difflib
 import os
 import re
 import sys
@@ -47,9 +48,9 @@ def main(argv: list[str]) -> int:
         return 0
     name, args = argv[0], argv[1:]
     if name not in found:
-        close = [n for n in found if name in n or n in name]
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        print(f"no benchmark named {name!r}{hint} (python -m benchmarks lists them)", file=sys.stderr)
+        close = difflib.get_close_matches(name, found, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        print(f"no benchmark named {name!r}{hint} (`python -m benchmarks` lists them)", file=sys.stderr)
         return 2
     os.execv(sys.executable, [sys.executable, str(found[name]), *args])
 

@@ -123,7 +123,7 @@ class Section(BaseModel):
 
 class RayConfig(Section):
     address: str | None = None  # None: start a local cluster; "auto" or "ray://host:port": join one
-    num_cpus: int | None = Field(default=None, ge=1, le=MAX_CPUS)
+    num_cpus: int | None = Field(default=None, ge=1, le=MAX_CPUS)  # a local cluster's CPUs (None: the machine's)
     temp_dir: str | None = None  # defaults to <repo>/.cache/ray for a local cluster
 
 
@@ -147,7 +147,7 @@ class ResourcesConfig(Section):
     # None means one per learner GPU, or one CPU process without GPUs
     learner_ranks: int | None = Field(default=None, ge=1, le=MAX_GPUS)
     rollout_gpus: float = Field(default=0.0, ge=0, le=64)  # per rollout worker
-    colocate: bool = False
+    colocate: bool = False  # rollout workers on the learner's GPUs (then rollout_gpus is 0)
     release_rollout_caches: bool = True  # colocated, synchronous: free the engines' caches for each learner step
 
     @property
@@ -237,9 +237,10 @@ def _model_field_types() -> dict[str, TypeAdapter]:
 class VLLMSection(Section):
     """rollout.engine: vllm (rl.rollout.vllm_engine.VLLMEngine)."""
 
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"  # the dtype vLLM serves the model in
+    # the longest sequence vLLM holds (prompt and generation), tokens
     max_model_len: int = Field(default=4096, ge=64, le=MAX_TOKENS)
-    max_num_seqs: int = Field(default=64, ge=1, le=MAX_ITEMS)
+    max_num_seqs: int = Field(default=64, ge=1, le=MAX_ITEMS)  # sequences vLLM decodes at once
     kv_cache_gib: int = Field(default=1, ge=1, le=MAX_GIB)  # on CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     memory_fraction: float = Field(default=0.05, gt=0, le=1)  # on CPU: the share of RAM vLLM reserves
     verify_every_update: bool = True  # probe logprobs after each weight update (MoE reloads drift on CPU)
@@ -249,7 +250,7 @@ class EnvEntry(Section):
     name: str
     weight: float = Field(default=1.0, gt=0)  # each domain's, for a pattern
     share: float | None = Field(default=None, gt=0)  # a pattern's weight, split evenly over its domains
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # the environment's constructor arguments (its knobs)
     sandbox: dict[str, Any] | None = None  # overrides fields of the environment's SandboxSpec
 
     @field_validator("kwargs", "sandbox")
@@ -307,17 +308,18 @@ class EffortConfig(Section):
 
 
 class RolloutConfig(Section):
-    num_workers: int = Field(default=2, ge=1, le=MAX_WORKERS)
+    num_workers: int = Field(default=2, ge=1, le=MAX_WORKERS)  # rollout workers (Ray actors), one engine each
+    # environment workers (Ray actors): the environments, their sandboxes and graders
     env_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     groups_per_step: int = Field(default=8, ge=1, le=MAX_ITEMS)  # (prompt, effort) groups per training step
     group_size: int = Field(default=4, ge=2, le=MAX_ITEMS)  # samples per group (GRPO's G)
-    temperature: float = Field(default=1.0, gt=0)
+    temperature: float = Field(default=1.0, gt=0)  # sampling temperature; the learner scores at the same one
     # The learner scores tokens under the full (temperature-scaled) distribution, so a truncated
     # sampler would bias the importance ratio: training samples with top_p = 1 (evaluation may not).
 class AdaptiveSamplingConfig(Section):
     """rl/rollout/adaptive.py: domains drawn by their training pass rate (off: the configured weights)."""
 
-    enabled: bool = False
+    enabled: bool = False  # off: domains are drawn by their configured weights
     low: float = Field(default=0.1, gt=0, lt=1)  # the useful band of pass rates: [low, high]
     high: float = Field(default=0.9, gt=0, lt=1)
     floor: float = Field(default=0.2, gt=0, le=1)  # the least factor on a domain's configured weight
@@ -335,7 +337,7 @@ class AdaptiveSamplingConfig(Section):
     # an episode's tokens, prompt and tool results included
     max_context: int = Field(default=32768, ge=16, le=MAX_TOKENS)
     record_routing: bool = True  # routing replay: the learner reuses the experts chosen while sampling
-    worker_cpus: float = Field(default=0.5, gt=0, le=MAX_CPUS)
+    worker_cpus: float = Field(default=0.5, gt=0, le=MAX_CPUS)  # CPUs Ray reserves for each rollout worker
     max_retries: int = Field(default=3, ge=0, le=1000)  # re-issues of a group whose worker died or environment raised
     # asynchronous training: rollout runs up to this many policy versions ahead of the learner
     # (0: synchronous, every sample from the weights it is trained against)
@@ -447,7 +449,8 @@ class AdaptiveSamplingConfig(Section):
 
 
 class GraderConfig(Section):
-    num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
+    num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)  # grader actors (Ray) in each grader pool
+    # a grade taking longer has its actor replaced and is retried
     timeout_s: float = Field(default=30.0, gt=0, le=24 * 3600)
     retries: int = Field(default=1, ge=0, le=1000)
 
@@ -480,22 +483,23 @@ Beta = Annotated[float, Field(ge=0, lt=1)]  # an Adam moment's decay
 
 
 class TrainConfig(Section):
-    steps: int = Field(default=20, ge=0, le=MAX_STEPS)
-    lr: float = Field(default=1e-4, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[Beta, Beta] = (0.9, 0.99)
-    adam_eps: float = Field(default=1e-8, gt=0)
-    grad_clip: float = Field(default=1.0, gt=0)
+    steps: int = Field(default=20, ge=0, le=MAX_STEPS)  # GRPO steps
+    lr: float = Field(default=1e-4, gt=0)  # AdamW's learning rate
+    weight_decay: float = Field(default=0.0, ge=0)  # AdamW's weight decay
+    betas: tuple[Beta, Beta] = (0.9, 0.99)  # AdamW's moment decays
+    adam_eps: float = Field(default=1e-8, gt=0)  # AdamW's epsilon
+    grad_clip: float = Field(default=1.0, gt=0)  # the gradient norm clipped to, one coefficient for every parameter
     # the learner's micro-batches: rows packed end to end into one row of at most this many tokens (a
     # longer row alone, never split), the ranks' shares balanced by tokens (rl/learner/batches.py)
     packing: bool = True
-    max_tokens_per_micro_batch: int = Field(default=4096, ge=16, le=1 << 22)
+    max_tokens_per_micro_batch: int = Field(default=4096, ge=16, le=1 << 22)  # a packed micro-batch's tokens
     # with packing off (or a model that cannot pack): each rank's rows in this many right-padded slices
     micro_batches: int = Field(default=1, ge=1, le=MAX_ITEMS)
     eps_low: float = Field(default=0.2, gt=0, lt=1)  # the ratio's lower clip 1 - eps_low stays above 0
     eps_high: float = Field(default=0.28, gt=0)  # clip-higher
     dual_clip: float | None = Field(default=3.0, gt=1)  # bound on the ratio when the advantage is negative
     kl_coef: float = Field(default=0.0, ge=0)  # off by default; k3 with the ratio correction when on
+    # retries of a grade that timed out or whose actor died; then it fails with an error
     adv_std_norm: Literal["none", "group", "batch"] = "none"
     loss_agg: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
     threads: int = Field(default=2, ge=1, le=1024)  # torch threads in the learner (rollouts idle while it trains)
@@ -516,17 +520,18 @@ class TrainConfig(Section):
 
 class WarmupConfig(Section):
     steps: int = Field(default=0, ge=0, le=MAX_STEPS)  # supervised steps on the environments' reference solutions
-    batch_size: int = Field(default=32, ge=1, le=MAX_ITEMS)
-    lr: float = Field(default=3e-3, gt=0)
+    batch_size: int = Field(default=32, ge=1, le=MAX_ITEMS)  # reference episodes per supervised step
+    lr: float = Field(default=3e-3, gt=0)  # the warm-up's learning rate
+    # reference episodes per environment for the tokenizer and the warm-up
     tasks_per_env: int = Field(default=200, ge=1, le=MAX_ITEMS)
 
 
 class EvalConfig(Section):
-    tasks_per_env: int = Field(default=32, ge=1, le=MAX_ITEMS)
-    efforts: list[str] = Field(default_factory=lambda: list(EFFORT_LEVELS), min_length=1)
+    tasks_per_env: int = Field(default=32, ge=1, le=MAX_ITEMS)  # held-out tasks per environment, at each effort level
+    efforts: list[str] = Field(default_factory=lambda: list(EFFORT_LEVELS), min_length=1)  # the effort levels evaluated
     temperature: float = Field(default=0.0, ge=0)  # 0 = greedy
     samples_per_task: int = Field(default=1, ge=1, le=MAX_ITEMS)  # decoded together, like a GRPO group
-    before_and_after: bool = True
+    before_and_after: bool = True  # evaluate before RL (after the warm-up) and after it
 
     @field_validator("efforts")
     @classmethod
@@ -540,15 +545,17 @@ class EvalConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int = Field(default=10, ge=1, le=MAX_STEPS)
-    keep: int = Field(default=2, ge=1, le=1000)
+    every: int = Field(default=10, ge=1, le=MAX_STEPS)  # GRPO steps between checkpoints (the last step is always saved)
+    keep: int = Field(default=2, ge=1, le=1000)  # checkpoints kept in the run folder; older ones are removed
 
+    # advantage = reward - its group's mean, divided by none (Dr.GRPO), the group's or the batch's sample std
 
+    # token_mean: over the mini-batch's valid tokens; seq_mean_token_sum: Dr.GRPO's (its sequences times a constant)
 class LoggingConfig(Section):
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
-    wandb_project: str = "kimi-rl"
+    wandb_project: str = "kimi-rl"  # the wandb project
     tensorboard: bool = False  # also write scalars to RUN_DIR/tensorboard (needs the tensorboard package)
-    progress: bool = True
+    progress: bool = True  # progress bars (false: a line per step)
 
     @field_validator("tensorboard")
     @classmethod
@@ -560,19 +567,19 @@ class LoggingConfig(Section):
 
 
 class GateConfig(Section):
-    enabled: bool = True
-    max_tasks: int = Field(default=8, ge=1, le=MAX_ITEMS)
-    allow_failing: bool = False
+    enabled: bool = True  # check every environment before training (rl env check)
+    max_tasks: int = Field(default=8, ge=1, le=MAX_ITEMS)  # tasks checked per split of each environment
+    allow_failing: bool = False  # train even when an environment fails the gate
     # Ray actors checking environments at once (None: rollout.env_workers); a passing report is kept under
     # the code, data and settings it was made with, and used again while none of them changes
     workers: int | None = Field(default=None, ge=1, le=MAX_WORKERS)
-    cache: bool = True
+    cache: bool = True  # keep passing reports in the registry's directory and use them again
 
 
 class RunConfig(Section):
     name: str = "run"  # the run folder is output_dir/<name>-<time stamp>
     seed: int = Field(default=0, ge=0, lt=1 << 32)
-    output_dir: str = Field(default="runs", min_length=1)
+    output_dir: str = Field(default="runs", min_length=1)  # where run folders are made
     ray: RayConfig = Field(default_factory=RayConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -610,6 +617,7 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    # auto: online when logged in to wandb, else offline into RUN_DIR/wandb
     def _gpu_fraction_on_a_gpu(self) -> "RunConfig":
         fraction = self.rollout.gpu_memory_fraction
         if fraction is not None and self.rollout.engine != "native":
@@ -636,11 +644,13 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    # the same config and seed draw the same tasks, efforts and sampling seeds
     def _expert_parallel_fits(self) -> "RunConfig":
         ep, ranks = self.train.expert_parallel, self.resources.ranks
         if ep == 1:
             return self
         if ranks % ep:
+    # the environments, domains or patterns over domains to train on, each with its weight
             raise ValueError(f"train.expert_parallel={ep} must divide the learner's ranks "
                              f"(resources.learner_ranks / learner_gpus: {ranks})")
         if self.train.zero_stage not in (1, 2):
@@ -651,6 +661,8 @@ class RunConfig(Section):
                              "policy (model.hf_path) trains data-parallel only")
         experts = self.model.shapes().num_experts
         if experts % ep:
+    # episodes' sandboxes: docker, process (bubblewrap), or auto: docker when a daemon answers and has the image,
+    # else process
             raise ValueError(f"train.expert_parallel={ep} must divide the model's {experts} routed experts")
         return self
 
