@@ -95,17 +95,20 @@ def _field_texts(cls: type[BaseModel]) -> dict[str, str]:
     return texts
 
 
+SIGNS = {annotated_types.Ge: ("ge", ">="), annotated_types.Gt: ("gt", ">"), annotated_types.Le: ("le", "<="),
+         annotated_types.Lt: ("lt", "<")}
+
+
 def _bounds(metadata: list[Any]) -> list[str]:
     out = []
     for item in metadata:
-        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-            value = getattr(item, attr, None)
-            if isinstance(item, (annotated_types.Ge, annotated_types.Gt, annotated_types.Le, annotated_types.Lt)) \
-                    and value is not None:
-                out.append(f"{sign} {value:,}" if isinstance(value, int) else f"{sign} {value:g}")
-        if isinstance(item, annotated_types.MinLen) and item.min_length:
+        if type(item) in SIGNS:
+            attr, sign = SIGNS[type(item)]
+            value = getattr(item, attr)
+            out.append(f"{sign} {value:,}" if isinstance(value, int) else f"{sign} {value:g}")
+        elif isinstance(item, annotated_types.MinLen) and item.min_length:
             out.append(f"at least {item.min_length:,} long")
-        if isinstance(item, annotated_types.MaxLen):
+        elif isinstance(item, annotated_types.MaxLen):
             out.append(f"at most {item.max_length:,} long")
     return out
 
@@ -124,7 +127,7 @@ def _type(annotation: Any, metadata: list[Any] = ()) -> str:
     elif origin is dict:
         value = args[1]
         name = ("mapping" if value is Any else
-                f"mapping of name to section" if _is_section(value) else f"mapping of name to {_type(value)}")
+                "mapping of name to section" if _is_section(value) else f"mapping of name to {_type(value)}")
     elif origin is list:
         name = "list of sections" if _is_section(args[0]) else f"list of {_type(args[0])}"
     elif origin is tuple:

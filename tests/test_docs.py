@@ -115,7 +115,8 @@ def test_a_pages_commands_run(page, tmp_path):
             proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block.text], cwd=work, env=env,
                                   capture_output=True, text=True, timeout=600)
             printed = proc.stdout + proc.stderr
-            assert proc.returncode == exit_code, f"{where} exited {proc.returncode}, not {exit_code}:\n{printed[-3000:]}"
+            assert proc.returncode == exit_code, \
+                f"{where} exited {proc.returncode}, not {exit_code}:\n{printed[-3000:]}"
         elif block.mark == "output":
             assert printed is not None, f"{where}: an output block with no run block before it"
             lines = [line.strip() for line in printed.splitlines()]
@@ -195,7 +196,8 @@ def test_every_rl_train_command_in_the_docs_loads_its_config_and_overrides():
                 try:
                     load_config(REPO / config, overrides)
                 except ConfigError as exc:
-                    pytest.fail(f"{path.relative_to(REPO)}:{block.line}: rl train {config} {' '.join(overrides)}: {exc}")
+                    command = " ".join(["rl train", config, *overrides])
+                    pytest.fail(f"{path.relative_to(REPO)}:{block.line}: {command}: {exc}")
                 checked += 1
     assert checked, "no rl train command found in the docs"
 
