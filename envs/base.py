@@ -16,7 +16,7 @@ import datasets
 
 from envs.data import SPLITS, normalise_splits
 from envs.grades import Grade, Grader, GradeRequest
-from envs.toolcall import ParsedTurn, check_arguments, parse_turn
+from envs.toolcall import ParsedTurn, check_arguments, parse_turn, split_reasoning
 from policy.effort import EFFORT_LEVELS as EFFORTS
 from sandbox import SandboxSpec, open_sandbox
 
@@ -219,7 +219,12 @@ class Environment:
         self._turns += 1
         self._messages.append({"role": "assistant", "content": action})
         started = time.perf_counter()
-        parsed = parse_turn(action) if self._tools() else ParsedTurn(text=action)
+        # the final answer is what follows the turn's reasoning: an answer inside it is never graded
+        if self._tools():
+            parsed = parse_turn(action)
+        else:
+            reasoning, rest = split_reasoning(action)
+            parsed = ParsedTurn(text=rest, reasoning=reasoning)
         info: dict[str, Any] = {"turn": self._turns, "task_id": self._task["task_id"]}
         if not parsed.wants_tool:
             self._final_answer = parsed.text

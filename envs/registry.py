@@ -93,6 +93,7 @@ _BUILTINS: list[tuple[str, str, dict[str, Any]]] = [
     ("math-word", "envs.domains.math:MathEnv", {"kind": "word", "max_operand": 30}),
     ("lookup", "envs.domains.lookup:LookupEnv", {}),
     ("lookup-docs", "envs.domains.lookup:LookupEnv", {"kind": "docs"}),
+    ("multihop", "envs.domains.multihop:MultiHopEnv", {}),  # k hops, k tool calls: effort pays
     ("code", "envs.domains.code:CodeEnv", {}),
     ("code-generated", "envs.domains.code:CodeEnv", {"kind": "generated"}),
     ("humaneval", "envs.domains.code:CodeEnv", {"kind": "humaneval"}),

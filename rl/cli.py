@@ -40,8 +40,10 @@ def train(
     overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides: train.steps=3 rollout.group_size=4"),
     resume: Optional[str] = typer.Option(None, "--resume", help="continue the run in this folder from its last checkpoint"),
 ) -> None:
-    """Run GRPO on the environments of CONFIG; prints the held-out table at the end."""
-    from rl.errors import RunRefused
+    """Run GRPO on the environments of CONFIG; prints the held-out table at the end. A run that
+    stops early (Ctrl-C, SIGTERM, an actor that died for good, a full disk) ends in one line naming
+    the checkpoint and the command that resumes it; exit code 130, 143 or 1."""
+    from rl.errors import RunRefused, RunStopped
     from rl.trainer import train as run_train
 
     overrides = list(overrides or [])
@@ -52,23 +54,32 @@ def train(
         result = run_train(config, overrides, resume=resume, console=console)
     except (ConfigError, RunRefused) as exc:
         _fail(str(exc))
+    except RunStopped as exc:
+        console.print(f"[red]{escape(str(exc))}[/red]", highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code)
     console.print(f"done: {result['run_dir']}")
 
 
 @app.command("eval")
 def evaluate(
     config: str = typer.Argument(..., help="YAML run config naming the environments to evaluate on"),
-    checkpoint: str = typer.Option(..., "--checkpoint", help="a checkpoint folder (…/checkpoints/step_N) or save_pretrained folder"),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="a checkpoint folder (…/checkpoints/step_N) "
+                                             "or save_pretrained folder (default: the config's model.hf_path, "
+                                             "the model before RL)"),
     overrides: Optional[list[str]] = typer.Argument(None, help="dotted overrides"),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="where to write the JSON summary "
                                          "(default: eval.json beside the checkpoint's config.json)"),
+    efforts: Optional[str] = typer.Option(None, "--efforts", help="effort levels to evaluate, comma-separated "
+                                          "(default: the config's eval.efforts), e.g. low,medium,high,max"),
 ) -> None:
-    """Held-out reward per domain and effort level for a checkpoint (table, and a JSON file)."""
+    """Held-out reward per domain and effort level for a checkpoint (table, and a JSON file), and
+    accuracy against tokens used per level (<output stem>_pareto.json and .png)."""
     from rl.errors import RunRefused
     from rl.evaluate_cmd import evaluate_checkpoint
 
     try:
-        evaluate_checkpoint(config, checkpoint, list(overrides or []), console=console, output=output)
+        levels = [e.strip() for e in efforts.split(",") if e.strip()] if efforts else None
+        evaluate_checkpoint(config, checkpoint, list(overrides or []), console=console, output=output, efforts=levels)
     except (ConfigError, RunRefused) as exc:
         _fail(str(exc))
 

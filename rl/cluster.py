@@ -3,6 +3,7 @@ learner, scheduler), with CPU shares that fit a laptop and restart policies for 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,8 @@ import ray
 
 from rl.config import RunConfig
 from rl.errors import RunRefused
-from rl.placement import Placement, check_cluster, plan_placement
+from rl.placement import Placement, check_cluster, check_custom_resources, plan_placement
+from rl.shipping import ship_dir
 
 REPO = Path(__file__).resolve().parents[1]
 ENV_WORKER_CPUS = 0.25
@@ -41,7 +43,7 @@ def start_ray(cfg: RunConfig) -> bool:
     if ray.is_initialized():
         started = False
     elif cfg.ray.address:
-        ray.init(address=cfg.ray.address, runtime_env={"env_vars": actor_env()}, log_to_driver=False)
+        join_cluster(cfg.ray.address)
         started = False
     else:
         temp_dir = cfg.ray.temp_dir or str(REPO / ".cache" / "ray")
@@ -53,11 +55,41 @@ def start_ray(cfg: RunConfig) -> bool:
     try:
         check_cluster(plan_placement(cfg.resources, cfg.rollout.num_workers, cfg.rollout.worker_cpus),
                       ENV_WORKER_CPUS * cfg.rollout.env_workers)
+        res = cfg.resources
+        check_custom_resources({"learner": res.learner_resources, "rollout": res.rollout_resources,
+                                "env": res.env_resources},
+                               {"learner": res.ranks, "rollout": cfg.rollout.num_workers, "env": cfg.rollout.env_workers})
     except RunRefused:
         if started:
             ray.shutdown()
         raise
     return started
+
+
+def join_cluster(address: str) -> None:
+    """ray.init on an existing cluster; a failure is one line naming the fix. Ray's own retries
+    print a warning a second while they last (twenty lines for a missing token): those go to a file,
+    shown only if joining fails for a reason this function cannot name."""
+    with tempfile.TemporaryFile(mode="w+") as noise:
+        saved = os.dup(2)
+        os.dup2(noise.fileno(), 2)
+        try:
+            ray.init(address=address, runtime_env={"env_vars": actor_env()}, log_to_driver=False)
+            return
+        except Exception as exc:  # noqa: BLE001 - ConnectionError, AuthenticationError, ValueError for a bad address
+            failure = exc
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        noise.seek(0)
+        said = noise.read()
+    chain = f"{failure} {failure.__cause__ or ''} {said}"
+    if "InvalidAuthToken" in chain or "Authentication" in chain:
+        raise RunRefused(f"ray.address={address}: the cluster authenticates with a token this process does not "
+                         f"hold: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the token its "
+                         f"nodes were started with (docs/cluster.md)") from None
+    reason = next((line.strip() for line in str(failure).splitlines() if line.strip()), type(failure).__name__)
+    raise RunRefused(f"ray.address={address}: cannot join the cluster ({reason})") from None
 
 
 @dataclass
@@ -80,6 +112,13 @@ class RunActors:
             ray.kill(actor, no_restart=True)
         if self.placement is not None:
             self.placement.release()
+
+
+def ship_spec(spec: dict[str, Any], shared_filesystem: bool) -> dict[str, Any]:
+    """A model spec whose directories (a transformers model, our checkpoint to start from or to
+    evaluate) every node can read: rl/shipping.py."""
+    return {k: ship_dir(v, shared_filesystem) if k in ("hf_path", "init_from", "path") and v else v
+            for k, v in spec.items()}
 
 
 def model_spec(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
@@ -116,7 +155,7 @@ def start_env_side(cfg: RunConfig, run_id: str) -> list:
     # threaded: many rollout workers' episodes at once, one slow tool call never stalls the others
     return [
         ray.remote(EnvWorker).options(num_cpus=ENV_WORKER_CPUS, name=env_worker_name(run_id, i), max_restarts=2,
-                                      max_concurrency=64)
+                                      max_concurrency=64, resources=dict(cfg.resources.env_resources))
         .remote(env_specs, grading, run_id, cfg.sandbox_backend, cfg.rollout.warm_sandboxes_per_env_worker(),
                 cfg.rollout.max_sandboxes)
         for i in range(cfg.rollout.env_workers)
@@ -135,24 +174,31 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
     env_names = [env_worker_name(run_id, i) for i in range(len(env_workers))]
     placement = Placement(plan_placement(cfg.resources, cfg.rollout.num_workers, cfg.rollout.worker_cpus,
                                          with_learner))
+    # what actors read from the driver's disk reaches them through Ray (no shared filesystem assumed)
+    shared = cfg.ray.shared_filesystem
+    tokenizer = ship_dir(tokenizer_dir, shared)
+    spec = ship_spec(spec, shared)
+    res = cfg.resources
     rollout_workers = [
-        ray.remote(RolloutWorker).options(**placement.options(placement.plan.rollout[i]),
+        ray.remote(RolloutWorker).options(**placement.options(placement.plan.rollout[i], res.rollout_resources),
                                           name=f"rollout-{run_id}-{i}",
                                           max_restarts=cfg.rollout.max_retries + 1, max_task_retries=0)
-        .remote(spec, tokenizer_dir, env_names, cfg.rollout, cfg.seed + 1000 * (i + 1))
+        .remote(spec, tokenizer, env_names, cfg.rollout, cfg.seed + 1000 * (i + 1), cfg.effort)
         for i in range(cfg.rollout.num_workers)
     ]
     learner = None
     if with_learner:
         learner = LearnerGroup(spec, cfg.train, cfg.rollout.max_context, cfg.rollout.temperature, pad_id, cfg.seed,
-                               [placement.options(slot) for slot in placement.plan.learner], name=f"learner-{run_id}")
+                               [placement.options(slot, res.learner_resources) for slot in placement.plan.learner],
+                               name=f"learner-{run_id}", shared_filesystem=shared, shaping=cfg.effort.shaping)
     names = [e.name for e in cfg.envs]
     first = env_workers[0]
     task_ids = {name: {split: ray.get(first.task_ids.remote(name, split)) for split in ("train", "heldout")}
                 for name in names}
     plan = SamplingPlan(env_weights={e.name: e.weight for e in cfg.envs}, effort_weights=cfg.effort.weights,
                         effort_budgets=cfg.effort.budgets, group_size=cfg.rollout.group_size,
-                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed)
+                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed,
+                        shaping=cfg.effort.shaping)
     scheduler = ray.remote(RolloutScheduler).options(num_cpus=0, name=f"scheduler-{run_id}").remote(
         rollout_workers, env_workers, task_ids, plan, cfg.rollout)
     return RunActors(env_workers, rollout_workers, scheduler, learner, placement)

@@ -125,6 +125,10 @@ class RayConfig(Section):
     address: str | None = None  # None: start a local cluster; "auto" or "ray://host:port": join one
     num_cpus: int | None = Field(default=None, ge=1, le=MAX_CPUS)  # a local cluster's CPUs (None: the machine's)
     temp_dir: str | None = None  # defaults to <repo>/.cache/ray for a local cluster
+    # whether every node reads the driver's paths (a shared filesystem, or the same container image):
+    # false sends the directories actors need (tokenizer, model) through Ray's object store and brings
+    # the learner's checkpoint files back to the driver's node (rl/shipping.py)
+    shared_filesystem: bool = False
 
 
 class ResourcesConfig(Section):
@@ -149,6 +153,13 @@ class ResourcesConfig(Section):
     rollout_gpus: float = Field(default=0.0, ge=0, le=64)  # per rollout worker
     colocate: bool = False  # rollout workers on the learner's GPUs (then rollout_gpus is 0)
     release_rollout_caches: bool = True  # colocated, synchronous: free the engines' caches for each learner step
+    # custom Ray resources each learner rank / rollout worker also asks for (e.g. {"learner_node": 1} to
+    # keep the learner on the nodes started with `ray start --resources '{"learner_node": 8}'`)
+    learner_resources: dict[str, float] = Field(default_factory=dict)
+    rollout_resources: dict[str, float] = Field(default_factory=dict)
+    # the same for environment workers: their sandboxes need a node with the sandbox backend (bubblewrap
+    # or Docker)
+    env_resources: dict[str, float] = Field(default_factory=dict)
 
     @property
     def ranks(self) -> int:
@@ -247,22 +258,14 @@ class VLLMSection(Section):
 
 
 class EnvEntry(Section):
+    # an environment, a family's domain (`math:add-9x2`) or a pattern over domains (`math:*`, `lookup:keys-*`):
+    # load_config turns a pattern into one entry per domain (envs.families)
     name: str
     weight: float = Field(default=1.0, gt=0)  # each domain's, for a pattern
     share: float | None = Field(default=None, gt=0)  # a pattern's weight, split evenly over its domains
     kwargs: dict[str, Any] = Field(default_factory=dict)  # the environment's constructor arguments (its knobs)
     sandbox: dict[str, Any] | None = None  # overrides fields of the environment's SandboxSpec
 
-    @field_validator("kwargs", "sandbox")
-    @classmethod
-    def _plain_data(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-    # an environment, a family's domain (`math:add-9x2`) or a pattern over domains (`math:*`, `lookup:keys-*`):
-    # load_config turns a pattern into one entry per domain (envs.families)
-        # checked against the environment's constructor by envs.registry.check_kwargs (rl.trainer.train)
-        _plain(value)
-        return value
-
-    @field_validator("sandbox")
     @model_validator(mode="after")
     def _share_of_a_pattern(self) -> "EnvEntry":
         if self.share is not None and not any(c in self.name for c in "*?["):
@@ -272,6 +275,14 @@ class EnvEntry(Section):
             raise ValueError("give a pattern a weight (each of its domains) or a share (all of them), not both")
         return self
 
+    @field_validator("kwargs", "sandbox")
+    @classmethod
+    def _plain_data(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # checked against the environment's constructor by envs.registry.check_kwargs (rl.trainer.train)
+        _plain(value)
+        return value
+
+    @field_validator("sandbox")
     @classmethod
     def _sandbox_spec(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
@@ -279,21 +290,50 @@ class EnvEntry(Section):
         return value
 
 
+class LevelShaping(Section):
+    """Length shaping of one effort level's rewards, applied by the learner (rl/shaping.py) to the
+    verifier's reward before advantages; it only ever lowers a reward."""
+
+    # DAPO's soft overlong penalty against the level's budget B: none up to B - overlong_buffer tokens,
+    # then linear down to -overlong_penalty at B (0: off)
+    overlong_buffer: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    overlong_penalty: float = Field(default=0.0, ge=0, le=1)
+    # -length_cost x (tokens / B) for every episode: short answers at a low level
+    length_cost: float = Field(default=0.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _never_a_verdict(self) -> "LevelShaping":
+        # a reward of 1 (passed) must stay above 0 (failed) whatever the length: no verdict is bought with tokens
+        if self.overlong_penalty + self.length_cost >= 1:
+            raise ValueError(f"overlong_penalty + length_cost must stay below 1 (a pass's reward over a fail's), "
+                             f"got {self.overlong_penalty} + {self.length_cost}")
+        if self.overlong_penalty > 0 and self.overlong_buffer == 0:
+            raise ValueError("overlong_penalty needs an overlong_buffer (the tokens before the budget it ramps over)")
+        return self
+
+
 class EffortConfig(Section):
-    # Tokens the model may generate per assistant turn at each effort level.
+    # Tokens the model may generate over a whole episode at each effort level: reasoning and response,
+    # every turn (the rollout worker caps each turn at what the episode has left; rl/rollout/worker.py).
     budgets: dict[str, Annotated[int, Field(gt=0, le=MAX_TOKENS)]] = Field(
-        default_factory=lambda: {"low": 24, "medium": 48, "high": 96, "max": 160})
+        default_factory=lambda: {"low": 48, "medium": 96, "high": 192, "max": 320})
     # how often the scheduler draws each level (relative; 0: never)
     weights: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=lambda: {lvl: 1.0 for lvl in EFFORT_LEVELS})
+    # tokens of a budget kept back for an answer: reasoning cut off by the budget is closed by the worker
+    # and the model answers within them (the turn counts as forced); 0: reasoning cut off by the budget
+    # ends the episode, truncated
+    answer_reserve: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    # length shaping per level (levels left out: none), logged per level as shaping/<level>/*
+    shaping: dict[str, LevelShaping] = Field(default_factory=dict)
 
-    @field_validator("budgets", "weights")
+    @field_validator("budgets", "weights", "shaping")
     @classmethod
-    def _known_levels(cls, value: dict[str, Any]) -> dict[str, Any]:
+    def _known_levels(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         unknown = set(value) - set(EFFORT_LEVELS)
         if unknown:
             raise ValueError(f"unknown effort level {sorted(unknown)[0]!r}, expected one of {list(EFFORT_LEVELS)}")
-        if not value:
+        if not value and info.field_name != "shaping":
             raise ValueError("at least one effort level is needed")
         return value
 
@@ -304,18 +344,16 @@ class EffortConfig(Section):
             raise ValueError(f"effort level {missing[0]!r} has a weight but no budget")
         if not any(w > 0 for w in self.weights.values()):
             raise ValueError(f"effort.weights: at least one level needs a weight > 0, got {self.weights}")
+        for lvl, budget in self.budgets.items():
+            if self.answer_reserve >= budget:
+                raise ValueError(f"answer_reserve ({self.answer_reserve}) must be below every level's budget "
+                                 f"({lvl}: {budget})")
+            buffer = self.shaping[lvl].overlong_buffer if lvl in self.shaping else 0
+            if buffer >= budget:
+                raise ValueError(f"shaping.{lvl}.overlong_buffer ({buffer}) must be below the level's budget ({budget})")
         return self
 
 
-class RolloutConfig(Section):
-    num_workers: int = Field(default=2, ge=1, le=MAX_WORKERS)  # rollout workers (Ray actors), one engine each
-    # environment workers (Ray actors): the environments, their sandboxes and graders
-    env_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
-    groups_per_step: int = Field(default=8, ge=1, le=MAX_ITEMS)  # (prompt, effort) groups per training step
-    group_size: int = Field(default=4, ge=2, le=MAX_ITEMS)  # samples per group (GRPO's G)
-    temperature: float = Field(default=1.0, gt=0)  # sampling temperature; the learner scores at the same one
-    # The learner scores tokens under the full (temperature-scaled) distribution, so a truncated
-    # sampler would bias the importance ratio: training samples with top_p = 1 (evaluation may not).
 class AdaptiveSamplingConfig(Section):
     """rl/rollout/adaptive.py: domains drawn by their training pass rate (off: the configured weights)."""
 
@@ -333,6 +371,15 @@ class AdaptiveSamplingConfig(Section):
         return self
 
 
+class RolloutConfig(Section):
+    num_workers: int = Field(default=2, ge=1, le=MAX_WORKERS)  # rollout workers (Ray actors), one engine each
+    # environment workers (Ray actors): the environments, their sandboxes and graders
+    env_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
+    groups_per_step: int = Field(default=8, ge=1, le=MAX_ITEMS)  # (prompt, effort) groups per training step
+    group_size: int = Field(default=4, ge=2, le=MAX_ITEMS)  # samples per group (GRPO's G)
+    temperature: float = Field(default=1.0, gt=0)  # sampling temperature; the learner scores at the same one
+    # The learner scores tokens under the full (temperature-scaled) distribution, so a truncated
+    # sampler would bias the importance ratio: training samples with top_p = 1 (evaluation may not).
     top_p: float = Field(default=1.0, gt=0, le=1)
     # an episode's tokens, prompt and tool results included
     max_context: int = Field(default=32768, ge=16, le=MAX_TOKENS)
@@ -343,6 +390,7 @@ class AdaptiveSamplingConfig(Section):
     # (0: synchronous, every sample from the weights it is trained against)
     max_staleness: int = Field(default=0, ge=0, le=1000)
     drop_uniform_groups: bool = True  # groups whose rewards all agree carry no signal: drop, draw more
+    adaptive: AdaptiveSamplingConfig = Field(default_factory=lambda: AdaptiveSamplingConfig())
     max_draws_per_step: float = Field(default=4.0, ge=1.0, le=1000)  # x groups_per_step: cap on drawing replacements
     # groups one worker plays at once (continuous batching)
     groups_per_worker: int = Field(default=8, ge=1, le=MAX_ITEMS)
@@ -351,7 +399,6 @@ class AdaptiveSamplingConfig(Section):
     # beside busy engines: the demo's shell episodes waited 5-8 s each to start with 8 warm); None: as
     # many as the rollout plays at once (num_workers x groups_per_worker x group_size over env_workers),
     # at most max_sandboxes, the live sandboxes an environment worker may hold
-    adaptive: AdaptiveSamplingConfig = Field(default_factory=lambda: AdaptiveSamplingConfig())
     warm_sandboxes: int | None = Field(default=None, ge=0, le=MAX_ITEMS)
     max_sandboxes: int = Field(default=64, ge=1, le=MAX_ITEMS)
     # the native engine's memory: sequences in cache slots (each with its KDA state), latent keys in
@@ -452,6 +499,7 @@ class GraderConfig(Section):
     num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)  # grader actors (Ray) in each grader pool
     # a grade taking longer has its actor replaced and is retried
     timeout_s: float = Field(default=30.0, gt=0, le=24 * 3600)
+    # retries of a grade that timed out or whose actor died; then it fails with an error
     retries: int = Field(default=1, ge=0, le=1000)
 
 
@@ -499,8 +547,9 @@ class TrainConfig(Section):
     eps_high: float = Field(default=0.28, gt=0)  # clip-higher
     dual_clip: float | None = Field(default=3.0, gt=1)  # bound on the ratio when the advantage is negative
     kl_coef: float = Field(default=0.0, ge=0)  # off by default; k3 with the ratio correction when on
-    # retries of a grade that timed out or whose actor died; then it fails with an error
+    # advantage = reward - its group's mean, divided by none (Dr.GRPO), the group's or the batch's sample std
     adv_std_norm: Literal["none", "group", "batch"] = "none"
+    # token_mean: over the mini-batch's valid tokens; seq_mean_token_sum: Dr.GRPO's (its sequences times a constant)
     loss_agg: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
     threads: int = Field(default=2, ge=1, le=1024)  # torch threads in the learner (rollouts idle while it trains)
     zero_stage: int = Field(default=0, ge=0, le=2)  # ZeRO-3 partitions weights; the push reads whole ones
@@ -547,11 +596,28 @@ class EvalConfig(Section):
 class CheckpointConfig(Section):
     every: int = Field(default=10, ge=1, le=MAX_STEPS)  # GRPO steps between checkpoints (the last step is always saved)
     keep: int = Field(default=2, ge=1, le=1000)  # checkpoints kept in the run folder; older ones are removed
+    # a copy of every checkpoint beyond the run folder's: a path or an fsspec URL (s3://bucket/prefix,
+    # gs://...), under <dir>/<run name>/step_N; a resumed run takes it from there when the run folder's
+    # is missing or torn (rl/checkpoint_store.py)
+    dir: str | None = Field(default=None, min_length=1, max_length=1024)
 
-    # advantage = reward - its group's mean, divided by none (Dr.GRPO), the group's or the batch's sample std
+    @field_validator("dir")
+    @classmethod
+    def _reachable_protocol(cls, value: str | None) -> str | None:
+        """An fsspec URL whose protocol's package is installed (s3:// needs s3fs): checked before Ray."""
+        if value is not None and "://" in value:
+            import fsspec
 
-    # token_mean: over the mini-batch's valid tokens; seq_mean_token_sum: Dr.GRPO's (its sequences times a constant)
+            protocol = value.split("://", 1)[0]
+            try:
+                fsspec.get_filesystem_class(protocol)
+            except (ImportError, ValueError) as exc:
+                raise ValueError(f"{protocol}:// is not usable here: {exc}") from None
+        return value
+
+
 class LoggingConfig(Section):
+    # auto: online when logged in to wandb, else offline into RUN_DIR/wandb
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     wandb_project: str = "kimi-rl"  # the wandb project
     tensorboard: bool = False  # also write scalars to RUN_DIR/tensorboard (needs the tensorboard package)
@@ -578,11 +644,13 @@ class GateConfig(Section):
 
 class RunConfig(Section):
     name: str = "run"  # the run folder is output_dir/<name>-<time stamp>
+    # the same config and seed draw the same tasks, efforts and sampling seeds
     seed: int = Field(default=0, ge=0, lt=1 << 32)
     output_dir: str = Field(default="runs", min_length=1)  # where run folders are made
     ray: RayConfig = Field(default_factory=RayConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     model: ModelSection = Field(default_factory=ModelSection)
+    # the environments, domains or patterns over domains to train on, each with its weight
     envs: list[EnvEntry] = Field(default_factory=list, min_length=1, max_length=1000)
     effort: EffortConfig = Field(default_factory=EffortConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -593,6 +661,8 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    # episodes' sandboxes: docker, process (bubblewrap), or auto: docker when a daemon answers and has the image,
+    # else process
     sandbox_backend: Literal["auto", "docker", "process"] = "auto"
 
     @field_validator("name")
@@ -617,7 +687,6 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    # auto: online when logged in to wandb, else offline into RUN_DIR/wandb
     def _gpu_fraction_on_a_gpu(self) -> "RunConfig":
         fraction = self.rollout.gpu_memory_fraction
         if fraction is not None and self.rollout.engine != "native":
@@ -644,13 +713,11 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    # the same config and seed draw the same tasks, efforts and sampling seeds
     def _expert_parallel_fits(self) -> "RunConfig":
         ep, ranks = self.train.expert_parallel, self.resources.ranks
         if ep == 1:
             return self
         if ranks % ep:
-    # the environments, domains or patterns over domains to train on, each with its weight
             raise ValueError(f"train.expert_parallel={ep} must divide the learner's ranks "
                              f"(resources.learner_ranks / learner_gpus: {ranks})")
         if self.train.zero_stage not in (1, 2):
@@ -661,8 +728,6 @@ class RunConfig(Section):
                              "policy (model.hf_path) trains data-parallel only")
         experts = self.model.shapes().num_experts
         if experts % ep:
-    # episodes' sandboxes: docker, process (bubblewrap), or auto: docker when a daemon answers and has the image,
-    # else process
             raise ValueError(f"train.expert_parallel={ep} must divide the model's {experts} routed experts")
         return self
 

@@ -87,6 +87,20 @@ def plan_placement(res: ResourcesConfig, num_workers: int, worker_cpus: float,
     return PlacementPlan(tuple(bundles), tuple(learner), tuple(rollout), summary)  # type: ignore[arg-type]
 
 
+def check_custom_resources(asked: dict[str, dict[str, float]], count: dict[str, int]) -> None:
+    """Refuse, in one line, a role (learner, rollout, env) that asks for a custom resource no node of the
+    cluster offers enough of: its actors would wait forever. `asked`: role -> resources each actor asks
+    for; `count`: role -> its actors."""
+    have = ray.cluster_resources()
+    for role, resources in asked.items():
+        for name, amount in resources.items():
+            need = amount * count[role]
+            if have.get(name, 0.0) + 1e-9 < need:
+                raise RunRefused(f"resources.{role}_resources: {count[role]} actor(s) x {name}={amount:g} need "
+                                 f"{need:g}, the Ray cluster offers {have.get(name, 0.0):g} (start nodes with "
+                                 f"ray start --resources '{{\"{name}\": N}}')")
+
+
 def check_cluster(plan: PlacementPlan, other_cpus: float = 0.0) -> None:
     """Refuse, in one line naming the config section, a plan the Ray cluster's CPUs or GPUs cannot
     hold (an actor Ray cannot place waits forever). `other_cpus`: what the run's other actors ask."""
@@ -128,10 +142,13 @@ class Placement:
             raise RunRefused(f"resources: could not reserve {plan.gpus:g} GPUs and their CPUs ({plan.summary}) "
                              f"within {timeout_s:.0f} s: other jobs hold them, or too few CPUs per node")
 
-    def options(self, slot: Slot) -> dict[str, Any]:
+    def options(self, slot: Slot, resources: dict[str, float] | None = None) -> dict[str, Any]:
+        """Ray options of the actor in `slot`; `resources`: custom resources it also asks for."""
         opts: dict[str, Any] = {"num_cpus": slot.num_cpus}
         if slot.num_gpus:
             opts["num_gpus"] = slot.num_gpus
+        if resources:
+            opts["resources"] = dict(resources)
         if slot.bundle is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

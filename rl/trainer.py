@@ -13,17 +13,19 @@ from typing import Any
 import ray
 
 from envs.registry import EnvRegistryError, check_kwargs, check_names
+from rl.checkpoint_store import CheckpointMirror
 from rl.cluster import RunActors, env_kwargs, model_spec, start_env_side, start_policy_side, start_ray
 from rl.config import ConfigError, RunConfig, dump_config, load_config
-from rl.errors import RunRefused
-from rl.evaluation import effort_table, eval_table, summarise_eval
+from rl.errors import RunRefused, RunStopped
+from rl.faults import StopOnSignal, actor_death, first_line, innermost, no_space, stop_line
+from rl.evaluation import effort_table, eval_table, summarise_eval, write_pareto
 from rl.hack_monitor import HackMonitor, responses_from_records
 from rl.metrics import MetricsLogger
 from rl.progress import StepProgress
 from rl.rollout.engine_api import EngineStats
-from rl.rollout.layout import episode_texts, reference_example
-from rl.rollout.scheduler import StreamPosition
-from rl.run_folder import (CHECKPOINTS, append_jsonl, latest_checkpoint, new_run_dir, read_json,
+from rl.rollout.layout import episode_texts, reference_example, tool_fallback_warnings
+from rl.rollout.scheduler import StreamPosition, WorkerLost
+from rl.run_folder import (CHECKPOINTS, STEP_LOGS, append_jsonl, latest_checkpoint, new_run_dir, read_json,
                            rewind_step_logs)
 from rl.types import EPISODE_PHASES, env_worker_index
 from rl.weight_sync import SyncSpec
@@ -39,7 +41,11 @@ class Trainer:
         self.actors: RunActors | None = None
         self._sync_open = False
         self._started_ray = False
+        ckpt_dir = cfg.checkpoint.dir
+        self.mirror = CheckpointMirror.of_run(ckpt_dir, run_dir.name) if ckpt_dir else None
         self._env_workers: list = []
+        self._where = "during set-up"  # where a stopped run's line says it stopped
+        self._signals = StopOnSignal(self._stop_line)
 
     def say(self, text: str) -> None:
         if self.console is not None:
@@ -51,11 +57,16 @@ class Trainer:
 
     # -- set-up ----------------------------------------------------------------------------------
     def _reference_episodes(self, env_workers: list, per_env: int) -> dict[str, list[dict[str, Any]]]:
+        """Reference episodes of each environment, its tasks dealt out over the levels trained on in
+        turn: a reference may depend on the level (its reasoning), and the warm-up teaches each its own."""
+        levels = [lvl for lvl, w in self.cfg.effort.weights.items() if w > 0]
         out = {}
         for entry in self.cfg.envs:
             worker = env_workers[env_worker_index(entry.name, len(env_workers))]
             ids = ray.get(worker.task_ids.remote(entry.name, "train"))[:per_env]
-            out[entry.name] = ray.get(worker.reference_episodes.remote(entry.name, ids, "medium", self.cfg.seed))
+            parts = [worker.reference_episodes.remote(entry.name, ids[i::len(levels)], level, self.cfg.seed)
+                     for i, level in enumerate(levels)]
+            out[entry.name] = [ep for part in ray.get(parts) for ep in part]
         return out
 
     def _tokenizer(self, episodes: dict[str, list[dict[str, Any]]]):
@@ -165,6 +176,25 @@ class Trainer:
         tags = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
         for old in tags[: -self.cfg.checkpoint.keep]:
             shutil.rmtree(old, ignore_errors=True)
+        if self.mirror is not None:  # the copy beyond the run folder, manifest and marker last
+            self.mirror.upload(ckpt_root / tag)
+            self.mirror.prune(self.cfg.checkpoint.keep)
+
+    def _fetch_newer_from_mirror(self) -> None:
+        """Resuming: a newer whole checkpoint in checkpoint.dir than in the run folder (the run folder's
+        lost or torn) is downloaded into the run folder first."""
+        if self.mirror is None:
+            return
+        local = latest_checkpoint(self.run_dir)
+        newest = self.mirror.steps()
+        if not newest or (local is not None and local[1] >= newest[-1][0]):
+            return
+        tag, passed_over = self.mirror.download_newest(self.run_dir / CHECKPOINTS)
+        for line in passed_over:
+            self.say(line)
+        if tag is not None and (local is None or int(tag[5:]) > local[1]):
+            (self.run_dir / CHECKPOINTS / "latest").write_text(tag)
+            self.say(f"{CHECKPOINTS}/{tag} fetched from {self.mirror.where(tag)}")
 
     def _restore(self) -> tuple[int, dict[str, Any]] | None:
         """Load the newest checkpoint of a resumed run: (first step to run, scheduler snapshot)."""
@@ -186,24 +216,34 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        self._started_ray = start_ray(cfg)
+        signals = self._signals
+        signals.install()
         logger = None
+        stopped = False
         try:
-            if not self.resume:
+            self._started_ray = start_ray(cfg)
+            signals.install()  # ray.init put its own SIGTERM handler in place
+            if not (self.resume and (self.run_dir / "gate.json").exists()):
+                self._where = "during the quality gate"
                 self._gate()
+            self._where = "during set-up"
             self._env_workers = start_env_side(cfg, self.run_id)
             resuming = self.resume and latest_checkpoint(self.run_dir) is not None
+            if self.resume and not resuming:  # it stopped before its first checkpoint: it starts again
+                for name in (*STEP_LOGS, "eval_before.json"):
+                    (self.run_dir / name).unlink(missing_ok=True)
             tok_ready = (self.run_dir / "tokenizer").exists()
             # Reference episodes train the tokenizer and feed the warm-up; a resumed run needs neither.
             episodes = {} if resuming and tok_ready else self._reference_episodes(self._env_workers,
                                                                                    cfg.warmup.tasks_per_env)
             self.tokenizer = tok = self._tokenizer(episodes)
+            for line in tool_fallback_warnings(tok, {name: eps[0]["tools"] for name, eps in episodes.items() if eps}):
+                self.say(line)
             spec = model_spec(cfg, tok.vocab_size)
             self.actors = start_policy_side(cfg, self.run_id, spec, str(self.run_dir / "tokenizer"), tok.pad_id,
                                             self._env_workers)
-            if cfg.train.packing and not self.actors.learner.packing():
-                self.say(f"learner: {cfg.model.hf_path} has layers that would carry state across packed "
-                         f"sequences: its micro-batches are right-padded (train.micro_batches)")
+            for line in self.actors.learner.startup_notes():
+                self.say(line)
             if resuming:  # the steps after the checkpoint run again: their log lines go first
                 rewind_step_logs(self.run_dir, latest_checkpoint(self.run_dir)[1])
             logger = MetricsLogger(self.run_dir, cfg.logging.wandb_mode, cfg.logging.wandb_project, self.run_id,
@@ -223,29 +263,89 @@ class Trainer:
             else:
                 start_step, snapshot = 0, StreamPosition()
                 if cfg.warmup.steps:
-                    levels = [lvl for lvl, w in cfg.effort.weights.items() if w > 0]
-                    rng = random.Random(cfg.seed)
-                    examples = [reference_example(tok, ep["messages"], ep["turns"], rng.choice(levels))
+                    examples = [reference_example(tok, ep["messages"], ep["turns"], ep["effort"], ep["tools"])
                                 for eps in episodes.values() for ep in eps]
+                    self._where = "during the warm-up"
                     self._warmup(examples, logger)
                 if cfg.train.kl_coef > 0:  # the KL pulls toward the policy GRPO starts from
                     self.actors.learner.set_reference()
                 self._push_weights(0)
+                self._where = "during the evaluation before RL"
                 before = self._evaluate("before") if cfg.eval.before_and_after else None
             self._train_loop(start_step, snapshot, logger)
+            self._where = "during the evaluation after RL"
             after = self._evaluate("after") if cfg.eval.before_and_after else None
             self._print_tables(before, after)
+            if after is not None:
+                files = write_pareto({"before RL": before, "after RL": after} if before else {"after RL": after},
+                                     self.run_dir / "effort_pareto.json", f"{cfg.name}: held-out, per effort level")
+                self.say(f"effort Pareto (accuracy against tokens used): {', '.join(str(f) for f in files)}")
             return {"run_dir": str(self.run_dir), "before": before, "after": after, "steps": cfg.train.steps}
+        except RunStopped:
+            stopped = True
+            raise
+        except Exception as exc:
+            if signals.stop is not None:  # the signal's RunStopped, wrapped on its way (a SystemError)
+                raise signals.stop from None
+            reason = self._stop_reason(exc)
+            if reason is None:  # not a fault a run stops on (a bug): its traceback is the report
+                raise
+            stopped = True
+            raise RunStopped(self._stop_line(*reason)) from exc
         finally:
-            if logger is not None:
-                logger.close()
-            if self.actors is not None:
-                self.actors.shutdown()
-            else:
-                for worker in self._env_workers:
-                    ray.kill(worker, no_restart=True)
-            if self._started_ray:
-                ray.shutdown()
+            self._shut_down(logger, stopped)
+            signals.restore()
+
+    def _stop_line(self, what: str, detail: str = "") -> str:
+        return stop_line(self.run_dir, f"{what} {self._where}" + (f": {detail}" if detail else ""))
+
+    def _stop_reason(self, exc: Exception) -> tuple[str, str] | None:
+        """(what stopped the run, how) for the faults a run stops on: a worker that will not come
+        back, an actor of the driver's that died, a full disk; None for anything else."""
+        cause = innermost(exc)
+        if isinstance(cause, WorkerLost):
+            what, _, how = str(cause).partition(": ")
+            return what, how
+        death = actor_death(exc, self._actor_names())
+        if death is not None:
+            return death
+        space = no_space(exc, self.run_dir) if isinstance(cause, OSError) else None
+        return (space, "") if space else None
+
+    def _actor_names(self) -> dict[str, str]:
+        """Actor id (hex) -> its name in the stop line."""
+        names = {w._actor_id.hex(): f"environment worker {e}" for e, w in enumerate(self._env_workers)}
+        if self.actors is not None:
+            names[self.actors.scheduler._actor_id.hex()] = "the rollout scheduler"
+            names.update({w._actor_id.hex(): f"rollout worker {i}" for i, w in enumerate(self.actors.rollout_workers)})
+            if self.actors.learner is not None:
+                names.update({a._actor_id.hex(): f"the learner (rank {r})"
+                              for r, a in enumerate(self.actors.learner.actors)})
+        return names
+
+    def _shut_down(self, logger: MetricsLogger | None, stopped: bool) -> None:
+        """Close the sinks and the actors. A run that stopped has its line to print: nothing here may
+        replace it (Ray itself may be half gone), and the learner, mid-step or dead, is killed
+        rather than asked to stop."""
+
+        def attempt(close) -> None:
+            try:
+                close()
+            except Exception:
+                if not stopped:
+                    raise
+
+        if logger is not None:
+            attempt(logger.close)
+        if self.actors is not None:
+            if stopped and self.actors.learner is not None:
+                attempt(self.actors.learner.kill)
+            attempt(self.actors.shutdown)
+        else:
+            for worker in self._env_workers:
+                attempt(lambda worker=worker: ray.kill(worker, no_restart=True))
+        if self._started_ray:
+            attempt(ray.shutdown)
 
     def _print_tables(self, before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
         if after is not None and self.console is not None:
@@ -265,6 +365,8 @@ class Trainer:
         release = releases_rollout_caches(cfg)
         with progress:
             for step in range(start_step, cfg.train.steps):
+                self._signals.check()
+                self._where = f"at step {step}"
                 t0 = time.monotonic()
                 batch_ref, report = ray.get(actors.scheduler.next_batch.remote(step))
                 t1 = time.monotonic()
@@ -294,6 +396,9 @@ class Trainer:
                     self.say(line)
                 logger.log(step, metrics)
                 episode_time.observe(metrics)
+                shaped = trained.shaped_rewards or {}
+                for record in report.records:  # the reward trained on beside the verifier's (None: not trained)
+                    record["shaped_reward"] = shaped.get(record["uid"])
                 append_jsonl(self.run_dir / "rollouts.jsonl", report.records)
                 if trained.moe_load:
                     layers = sorted(trained.moe_load)
@@ -301,7 +406,7 @@ class Trainer:
                         {"step": step, "layers": layers, "load": [trained.moe_load[i] for i in layers]}])
                 self._say_problems(step, report, metrics)
                 if (step + 1) % cfg.checkpoint.every == 0 or step == cfg.train.steps - 1:
-                    self._save(step)
+                    self._checkpoint(step)
                 if not cfg.logging.progress:  # no bar: a line per step
                     self.phase(f"step {step}: reward {metrics['rollout/reward']:.3f}, {metrics['time/step_s']:.1f} s "
                                f"(rollout {metrics['time/rollout_s']:.1f}, learner {metrics['time/train_s']:.1f}, "
@@ -314,8 +419,31 @@ class Trainer:
             if line is not None:
                 self.phase(line)
 
+    def _checkpoint(self, step: int) -> None:
+        """Save; a save that fails stops the run in one line. What it wrote has no manifest, so it is
+        never taken for whole; it is removed, giving back the space it took."""
+        from rl.integrity import MANIFEST
+
+        try:
+            self._save(step)
+        except Exception as exc:
+            if isinstance(exc, RunStopped) or actor_death(exc, self._actor_names()) is not None:
+                raise  # a signal, or the learner died: said as such by run()
+            torn = self.run_dir / CHECKPOINTS / f"step_{step}"
+            why = no_space(exc, torn) or first_line(exc)
+            if not (torn / MANIFEST).exists():
+                shutil.rmtree(torn, ignore_errors=True)
+            raise RunStopped(stop_line(self.run_dir, f"checkpoint step_{step} failed: {why}")) from exc
+
     def _say_problems(self, step: int, report, metrics: dict[str, float]) -> None:
-        """Failed groups and ungraded samples are said on the console, not only logged."""
+        """Worker restarts, grader actors replaced, failed groups and ungraded samples are said on
+        the console, not only logged."""
+        for line in report.faults:
+            self.say(f"step {step}: {line}")
+        replaced = int(metrics.get("faults/grader_actors_replaced", 0))
+        if replaced:
+            self.say(f"step {step}: {replaced} grader actor(s) died or hung and were replaced; "
+                     f"their grades were retried")
         failed = int(metrics.get("rollout/failed_groups", 0))
         if failed:
             self.say(f"step {step}: {failed} group(s) failed and were left out; latest: {report.errors[-1]}")
@@ -346,28 +474,33 @@ def release_rollout_caches(workers: list) -> float:
 
 
 class _EnvHealth:
-    """Environment and grader failures per step (from the environment workers' running counts),
-    and the sandboxes alive now."""
+    """Environment and grader failures per step (from the environment workers' running counts; a
+    restarted worker, a new pid, counts from zero again), grader actors replaced, and the sandboxes
+    alive now."""
 
     def __init__(self, env_workers: list) -> None:
         self.env_workers = env_workers
-        self.seen: dict[str, float] = {}
+        self.seen: dict[int, tuple[int, dict[str, float]]] = {}  # worker -> (pid, its counts at the last step)
 
     def metrics(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
+        out = {"faults/grader_actors_replaced": 0.0}
         live = 0.0
-        for ref in [w.health_report.remote() for w in self.env_workers]:
+        for i, ref in enumerate([w.health_report.remote() for w in self.env_workers]):
             try:
                 h = ray.get(ref)
             except ray.exceptions.RayError:  # restarting: counted at the next step
                 continue
             live += h.sandboxes_live
+            counts = {"faults/grader_actors_replaced": float(h.graders_replaced)}
             for kind, table in (("env_errors", h.env_errors), ("grade_errors", h.grade_errors),
                                 ("grade_timeouts", h.grade_timeouts)):
-                for env, n in table.items():
-                    totals[f"env/{env}/{kind}"] = totals.get(f"env/{env}/{kind}", 0.0) + n
-        out = {key: n - self.seen.get(key, 0.0) for key, n in totals.items()}
-        self.seen.update(totals)
+                counts.update({f"env/{env}/{kind}": float(n) for env, n in table.items()})
+            pid, before = self.seen.get(i, (h.pid, {}))
+            if pid != h.pid:
+                before = {}
+            for key, n in counts.items():
+                out[key] = out.get(key, 0.0) + n - before.get(key, 0.0)
+            self.seen[i] = (h.pid, counts)
         out["env/sandbox_live"] = live
         return out
 

@@ -53,6 +53,7 @@ def main() -> None:
     from policy import Tokenizer
     from rl.config import RolloutConfig, TrainConfig, ResourcesConfig
     from rl.learner import LearnerGroup
+    from rl.shipping import ship_dir
     from rl.placement import Placement, plan_placement
     from rl.rollout.worker import RolloutWorker
     from rl.weight_sync import SyncSpec, open_weight_sync, sync_weights
@@ -66,7 +67,7 @@ def main() -> None:
     group = LearnerGroup(spec, TrainConfig(), RolloutConfig().max_context, 1.0, 0, 0, [placement.options(placement.plan.learner[0])])
     learner = group.actors[0]
     worker = ray.remote(RolloutWorker).options(**placement.options(placement.plan.rollout[0])).remote(
-        spec, tok_dir, [], RolloutConfig(), 1)
+        spec, ship_dir(tok_dir), [], RolloutConfig(), 1)
     where = ray.get(learner.__ray_call__.remote(lambda self: (
         str(self.device), next(self.engine.module.parameters()).device.type, os.environ["DS_ACCELERATOR"],
         dist.get_backend(), ray.get_gpu_ids())))

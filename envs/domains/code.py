@@ -9,24 +9,15 @@ from __future__ import annotations
 
 import random
 import re
-import secrets
 from typing import Any, Callable
 
 from envs.base import Environment
-from envs.domains.fresh_sandbox import run_in_fresh_sandbox
+from envs.domains import check_counts
+from envs.domains.judge import run_judge
 from envs.grades import Grade, Grader
 
 KINDS = ("toy", "generated", "humaneval")
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-
-_HARNESS = """import sys
-nonce = sys.stdin.readline().strip()
-ns = {"__name__": "__solution__"}
-exec(compile(open("solution.py").read(), "solution.py", "exec"), ns)
-exec(compile(open("tests.py").read(), "tests.py", "exec"), ns)
-ns["check"](ns[sys.argv[1]])
-print("ALL TESTS PASSED " + nonce)
-"""
 
 
 def extract_code(text: str | None) -> str:
@@ -38,13 +29,13 @@ def extract_code(text: str | None) -> str:
 
 
 class CodeGrader(Grader):
-    """Runs `check(entry_point)` after the solution in a fresh sandbox; passes only if every assert holds.
+    """Runs `check(entry_point)` against the solution in a fresh sandbox; passes only if every assert holds.
 
-    Success is a line with a per-grade random nonce printed after check() returns, so a
-    solution that exits early with status 0 does not pass.
+    The tests run in a process of their own and call the solution's in another (envs/domains/judge.py):
+    the solution never sees the tests, their process or its verdict line, so it cannot forge a pass.
     """
 
-    version = "2"
+    version = "3"
     timeout_s = 60.0
 
     def __init__(self, sandbox_backend: str = "auto", exec_timeout_s: float = 10.0) -> None:
@@ -58,11 +49,8 @@ class CodeGrader(Grader):
         if not re.search(rf"\b{re.escape(payload['entry_point'])}\b", code):  # it cannot define it: no sandbox needed
             return Grade(reward=0.0, passed=False, grader_version="",
                          details={"reason": f"the code never names {payload['entry_point']}"})
-        nonce = secrets.token_hex(8)
-        files = {"solution.py": code, "tests.py": payload["tests"], "harness.py": _HARNESS}
-        r = run_in_fresh_sandbox(self.sandbox_backend, files, ["python3", "harness.py", payload["entry_point"]],
-                                 stdin=nonce + "\n", timeout=self.exec_timeout_s)
-        ok = (not r.timed_out) and r.exit_code == 0 and f"ALL TESTS PASSED {nonce}" in r.stdout
+        ok, r = run_judge(self.sandbox_backend, ("solution.py", code), "__solution__", payload["tests"],
+                          context=payload.get("context", ""), check=payload["entry_point"], timeout=self.exec_timeout_s)
         details = {"exit_code": r.exit_code, "timed_out": r.timed_out, "stderr_tail": (r.stderr or "")[-400:]}
         return Grade(reward=1.0 if ok else 0.0, passed=ok, grader_version="", details=details)
 
@@ -158,6 +146,7 @@ class CodeEnv(Environment):
             raise ValueError(f"code: unknown kind {kind!r}; expected one of {KINDS}")
         if category is not None and category not in _categories(kind):
             raise ValueError(f"code: kind {kind!r} has no category {category!r}; it has {_categories(kind)}")
+        check_counts("code", n_train, n_heldout)
         self.kind, self.n_train, self.n_heldout, self.seed = kind, n_train, n_heldout, seed
         self.category = category  # one function family of the kind (`clip`), or all of them
         self.exec_timeout_s = exec_timeout_s
@@ -200,7 +189,10 @@ class CodeEnv(Environment):
         return [f"```python\n{task['solution'].rstrip()}\n```"]
 
     def grade_payload(self, task: dict[str, Any], final_answer: str | None) -> dict[str, Any]:
-        return {"code": extract_code(final_answer), "tests": task["tests"], "entry_point": task["entry_point"]}
+        payload = {"code": extract_code(final_answer), "tests": task["tests"], "entry_point": task["entry_point"]}
+        if self.kind == "humaneval":  # tests call the prompt's helpers (poly, encode_cyclic): ours, not the answer's
+            payload["context"] = task["prompt"]
+        return payload
 
     def leak_probes(self, task: dict[str, Any]) -> list[str]:
         lines = [ln.strip() for ln in task["tests"].splitlines() if ln.strip().startswith("assert")]

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from envs.base import Environment, Tool
+from envs.domains import check_counts
 from envs.domains.mathcheck import extract_answer
 from envs.grades import Grade, Grader
 from envs.toolcall import format_tool_call
@@ -81,6 +82,9 @@ class LookupEnv(Environment):
                  seed: int = 0, corpus_file: str | None = None, **kwargs: Any) -> None:
         if kind not in ("keys", "docs"):
             raise ValueError(f"lookup: unknown kind {kind!r}; expected 'keys' or 'docs'")
+        check_counts("lookup", n_train, n_heldout)
+        if top_k < 1:
+            raise ValueError(f"lookup: top_k must be at least 1, got {top_k}")
         self.kind, self.n_train, self.n_heldout, self.top_k, self.seed = kind, n_train, n_heldout, top_k, seed
         if corpus_file and not os.path.isfile(corpus_file):  # found now, read on first use
             raise FileNotFoundError(f"lookup: corpus_file not found: {corpus_file}")

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from envs.base import Environment
 from envs.data import ensure_task_ids, load_tasks, normalise_splits
+from envs.domains import check_counts
 from envs.domains.mathcheck import equivalent, extract_answer
 from envs.grades import Grade, Grader
 
@@ -148,6 +149,7 @@ class MathEnv(Environment):
             raise ValueError(f"math: ops must be made of '+', '-', '*', got {ops!r}")
         if max_operand < 2 or n_terms < 2:
             raise ValueError("math: max_operand and n_terms must be at least 2")
+        check_counts("math", n_train, n_heldout)
         self.kind, self.max_operand, self.ops, self.n_terms = kind, max_operand, ops.replace("x", "*"), n_terms
         self.n_train, self.n_heldout, self.seed, self.data_files = n_train, n_heldout, seed, data_files
         self.allow_expressions, self.answer_style = allow_expressions, answer_style

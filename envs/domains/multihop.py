@@ -18,6 +18,7 @@ import random
 from typing import Any
 
 from envs.base import Environment, Tool
+from envs.domains import check_counts
 from envs.domains.lookup import _ADJ, _NOUN, LookupGrader, normalise
 from envs.grades import Grader
 from envs.toolcall import THINK, THINK_CLOSE, format_tool_call
@@ -48,6 +49,7 @@ class MultiHopEnv(Environment):
                  **kwargs: Any) -> None:
         if not 1 <= int(max_hops) <= 6:
             raise ValueError(f"multihop: max_hops must be between 1 and 6, got {max_hops}")
+        check_counts("multihop", n_train, n_heldout)
         self.max_hops, self.n_train, self.n_heldout, self.seed = int(max_hops), n_train, n_heldout, seed
         self.max_turns = self.max_hops + 1  # one search a hop, then the answer
         self._entries: dict[str, str] | None = None

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import secrets
 import sqlite3
 import tempfile
 from typing import Any
 
 from envs.base import Environment, Tool, bash_tool
-from envs.domains.fresh_sandbox import run_in_fresh_sandbox
+from envs.domains import check_counts
+from envs.domains.judge import run_judge
 from envs.grades import Grade, Grader
 from envs.toolcall import format_tool_call
 
@@ -50,18 +50,12 @@ _BUGS: list[tuple[str, str, str, str, str, range]] = [
 _VARIANTS = {"create_file": [f.split(".")[0] for f in _FILES], "fix_test": [b[0] for b in _BUGS],
              "sqlite": list(_SQL_QUESTIONS)}
 
-_TEST_RUNNER = """import sys
-nonce = sys.stdin.readline().strip()
-ns = {"__name__": "__hidden_tests__"}
-exec(compile(open("hidden_tests.py").read(), "hidden_tests.py", "exec"), ns)
-print("ALL TESTS PASSED " + nonce)
-"""
-
 
 class ShellGrader(Grader):
-    """Checks captured final sandbox state: file contents, or hidden tests run in a fresh sandbox."""
+    """Checks captured final sandbox state: file contents, or hidden tests run in a fresh sandbox, in a process
+    apart from calc.py's (envs/domains/judge.py), so calc.py can neither read them nor forge their verdict."""
 
-    version = "1"
+    version = "2"
     timeout_s = 60.0
 
     def __init__(self, sandbox_backend: str = "auto") -> None:
@@ -83,10 +77,7 @@ class ShellGrader(Grader):
         source = payload["files"].get("calc.py")
         if source is None:
             return Grade(reward=0.0, passed=False, grader_version="", details={"reason": "calc.py is missing"})
-        nonce = secrets.token_hex(8)
-        files = {"calc.py": source, "hidden_tests.py": payload["hidden_tests"], "runner.py": _TEST_RUNNER}
-        r = run_in_fresh_sandbox(self.sandbox_backend, files, ["python3", "runner.py"], stdin=nonce + "\n", timeout=10.0)
-        ok = not r.timed_out and r.exit_code == 0 and f"ALL TESTS PASSED {nonce}" in r.stdout
+        ok, r = run_judge(self.sandbox_backend, ("calc.py", source), "calc", payload["hidden_tests"], timeout=10.0)
         return Grade(reward=float(ok), passed=ok, grader_version="",
                      details={"exit_code": r.exit_code, "stderr_tail": (r.stderr or "")[-300:]})
 
@@ -204,6 +195,7 @@ class ShellEnv(Environment):
             raise ValueError(f"shell: unknown kind {kind!r}; expected one of {KINDS}")
         if variant is not None and variant not in _VARIANTS[kind]:
             raise ValueError(f"shell: kind {kind!r} has no variant {variant!r}; it has {list(_VARIANTS[kind])}")
+        check_counts("shell", n_train, n_heldout)
         self.kind, self.n_train, self.n_heldout, self.seed = kind, n_train, n_heldout, seed
         self.variant = variant  # one sort of the kind's tasks (a file, a bug's function, a question), or all
         self.tool_timeout_s = tool_timeout_s

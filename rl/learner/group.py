@@ -12,12 +12,15 @@ waiting on ranks that are blocked in a collective with the failed one. `push_wei
 parts of those calls are awaited at the next blocking call."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
+
+from pathlib import Path
 
 import ray
 
-from rl.config import TrainConfig
+from rl.config import LevelShaping, TrainConfig
 from rl.learner.learner import StepResult
+from rl.shipping import ship_dir, this_node
 
 
 def wait_all(refs: list) -> list:
@@ -32,13 +35,15 @@ def wait_all(refs: list) -> list:
 class LearnerGroup:
     def __init__(self, model_spec: dict[str, Any], train_cfg: TrainConfig, seq_norm_tokens: int,
                  temperature: float, pad_id: int, seed: int, actor_options: list[dict[str, Any]],
-                 name: str | None = None) -> None:
+                 name: str | None = None, shared_filesystem: bool = False,
+                 shaping: Mapping[str, LevelShaping] | None = None) -> None:
         from rl.learner.learner import Learner
 
+        self.shared_filesystem = shared_filesystem  # whether the ranks read and write the driver's paths
         world = len(actor_options)
         self.actors = [
             ray.remote(Learner).options(**opts, **({"name": f"{name}-{r}"} if name else {}))
-            .remote(model_spec, train_cfg, seq_norm_tokens, temperature, pad_id, seed, r, world)
+            .remote(model_spec, train_cfg, seq_norm_tokens, temperature, pad_id, seed, r, world, shaping)
             for r, opts in enumerate(actor_options)
         ]
         self._inflight: list = []
@@ -75,9 +80,10 @@ class LearnerGroup:
         """The KL reference becomes the policy as it is now (when the warm-up ends)."""
         self._on_all("set_reference")
 
-    def packing(self) -> bool:
-        """Whether the micro-batches are packed (asked for, and the model keeps sequences apart)."""
-        return ray.get(self.actors[0].packs.remote())
+    def startup_notes(self) -> list[str]:
+        """What the ranks found at start that a user should know (each line once)."""
+        lines = [line for notes in self._on_all("startup_notes") for line in notes]
+        return list(dict.fromkeys(lines))
 
     def get_weights(self):
         """ObjectRef of the whole state dict (rank 0's)."""
@@ -92,10 +98,16 @@ class LearnerGroup:
         return self._rank0_ref("push_weights", version, full)
 
     def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
-        self._on_all("save", directory, tag, client_state)
+        """Every rank's checkpoint files into `directory/tag` on this (the driver's) node: ranks on
+        other nodes send theirs back through Ray unless every node shares the filesystem."""
+        driver = None if self.shared_filesystem else this_node()
+        for packed in self._on_all("save", directory, tag, client_state, driver):
+            if packed is not None:
+                packed.unpack_into(Path(directory))
 
     def load(self, directory: str, tag: str) -> dict[str, Any]:
-        return self._on_all("load", directory, tag)[0]
+        """Restore every rank from `directory/tag` of this node (sent to the ranks on other nodes)."""
+        return self._on_all("load", ship_dir(Path(directory) / tag, self.shared_filesystem))[0]
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         try:

@@ -8,21 +8,25 @@ With train.expert_parallel > 1 groups of ranks split each MoE layer's routed exp
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from kimi_kernels.fusion import set_fusion
 from policy.dtypes import device_precision, params_to
-from rl.config import TrainConfig
+from rl.config import LevelShaping, TrainConfig
 from rl.learner.batches import MicroBatch, Row, collate, plan_packed, plan_padded, rows_from_samples
 from rl.learner.flops import active_parameters, flops_metrics, peak_flops, step_flops
 from rl.learner.loss import accumulate_policy_gradient, compute_advantages, global_sum, loss_normaliser, policy_forward
+from rl.shaping import shape_rewards
+from rl.shipping import PackedFiles, ShippedDir, files_under, localize, pack_files, this_node
 from rl.types import RolloutBatch, Sample
 
 if TYPE_CHECKING:
@@ -36,6 +40,8 @@ class StepResult:
 
     metrics: dict[str, float]
     moe_load: dict[int, list[float]] | None = None
+    # a GRPO step's reward per sample uid after effort shaping (rl/shaping.py), as trained on
+    shaped_rewards: dict[str, float] | None = None
 
 
 def free_port() -> int:
@@ -46,7 +52,8 @@ def free_port() -> int:
 
 class Learner:
     def __init__(self, model_spec: dict[str, Any], train_cfg: TrainConfig, seq_norm_tokens: int,
-                 temperature: float, pad_id: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+                 temperature: float, pad_id: int, seed: int, rank: int = 0, world_size: int = 1,
+                 shaping: Mapping[str, LevelShaping] | None = None) -> None:
         torch.set_num_threads(train_cfg.threads)
         if not train_cfg.fused_ops:
             set_fusion(False)  # this process's compiled elementwise chains (KIMI_FUSED_OPS=0 turns off all)
@@ -57,6 +64,7 @@ class Learner:
         self.pad_id = pad_id
         self.seed = seed
         self.rank, self.world_size = rank, world_size
+        self.shaping = dict(shaping or {})  # effort.shaping: length shaping per effort level
 
     def rendezvous(self) -> tuple[str, int]:
         """Where the ranks' process group meets (asked of rank 0 before any rank starts)."""
@@ -78,17 +86,24 @@ class Learner:
         import torch.distributed as dist
         from policy import build_policy
 
+        self.notes: list[str] = []  # what the trainer says on the console once the learner is up
+        if self.device.type == "cpu":
+            self._without_unbuildable_comm_op()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
         torch.manual_seed(self.seed)  # the same initial weights on every rank
-        model = build_policy(self.model_spec)
+        spec = localize(self.model_spec)  # a transformers model or our checkpoint, on this node
+        model = build_policy(spec)
         model.set_activation_checkpointing(self.cfg.activation_checkpointing)
         if self.world_size > 1 and hasattr(model, "set_data_parallel"):
             model.set_data_parallel(dist.group.WORLD)
         # packed rows need every layer to keep sequences apart (a transformers model with recurrent
         # layers cannot: it trains on padded rows, and the trainer says so)
         self.packing = self.cfg.packing and getattr(model, "packs_rows", True)
+        if self.cfg.packing and not self.packing:
+            self.notes.append(f"learner: {type(model).__name__} has layers that would carry state across packed "
+                              f"sequences: its micro-batches are right-padded (train.micro_batches)")
         # the KL reference: a second copy, set to the policy RL starts from by set_reference()
-        self.reference = build_policy(self.model_spec).requires_grad_(False).eval() if self.cfg.kl_coef > 0 else None
+        self.reference = build_policy(spec).requires_grad_(False).eval() if self.cfg.kl_coef > 0 else None
         self.active_params = active_parameters(model)  # every expert counted, before any is sharded
         ep = self.cfg.expert_parallel
         expert_names = {name for name, _ in model.routed_expert_parameters()} if ep > 1 else set()
@@ -128,8 +143,26 @@ class Learner:
         self.policy_version = 0  # GRPO batches trained on (the weights' version label)
         self._last_train_end: float | None = None
 
-    def packs(self) -> bool:
-        return self.packing
+    def _without_unbuildable_comm_op(self) -> None:
+        """DeepSpeed's shared-memory allreduce for CPU ranks is a C++ op built on first use: on a node
+        that can neither load a built copy nor build one (a slim image without a compiler, a read-only
+        cache), the ranks allreduce through gloo instead, and the trainer says so."""
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            return
+        try:
+            builder.load(verbose=False)
+        except Exception as exc:  # noqa: BLE001 - a failed build raises anything from OSError to RuntimeError
+            deepspeed.ops.__compatible_ops__[builder.NAME] = False
+            reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            self.notes.append(f"learner rank {self.rank}: DeepSpeed's {builder.NAME} op cannot be loaded or built "
+                              f"on its node ({reason[:160]}): its CPU allreduce goes through gloo")
+
+    def startup_notes(self) -> list[str]:
+        return self.notes
 
     def set_reference(self) -> None:
         """The KL term's reference becomes the policy as it is now: the trainer calls it when the
@@ -257,7 +290,11 @@ class Learner:
         if idle is not None:
             metrics["time/learner_wait_s"] = idle
         metrics.update(staleness_metrics(samples, batch.step))
-        adv = compute_advantages([s.reward for s in samples], [s.group_uid for s in samples], self.cfg.adv_std_norm,
+        # the verifier's rewards, shaped by length per effort level: the trainer's, never the environments'
+        rewards, shaping = shape_rewards(samples, self.shaping)
+        metrics.update(shaping)
+        shaped = {s.uid: r for s, r in zip(samples, rewards)}
+        adv = compute_advantages(rewards, [s.group_uid for s in samples], self.cfg.adv_std_norm,
                                  episode_keys=[s.episode for s in samples])
         rows = rows_from_samples(samples, adv)
         minis = [rows[part] for part in group_rows(samples, self.cfg.updates_per_step)]
@@ -268,7 +305,7 @@ class Learner:
             self.policy_version = batch.step + 1  # every step has its own version, trained or not
             self._last_train_end = time.monotonic()
             metrics.update({"train/tokens": 0.0, "train/skipped": 1.0, "train/skipped_updates": float(len(minis))})
-            return StepResult(metrics)
+            return StepResult(metrics, shaped_rewards=shaped)
         plans = [self._micro_batches(mini) if go else [] for mini, go in zip(minis, learns)]
         self._prepare_logprobs([mb for plan in plans for mb in plan])
         policy = _TemperatureScaled(self.engine, self.temperature)
@@ -310,7 +347,7 @@ class Learner:
         peak = None if self.peak_flops is None else self.peak_flops * self.world_size
         metrics.update(flops_metrics(step_flops(self.active_params, seq_tokens, extra),
                                      metrics["time/learner_step_s"], peak))
-        return StepResult(metrics, moe_load or None)
+        return StepResult(metrics, moe_load or None, shaped)
 
     def _needs_proximal(self) -> bool:
         return self.cfg.off_policy.proximal == "learner" and self.cfg.updates_per_step > 1
@@ -334,24 +371,41 @@ class Learner:
                 self.engine.train()
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
+    def save(self, directory: str, tag: str, client_state: dict[str, Any],
+             driver_node: str | None = None) -> PackedFiles | None:
         """Every rank: DeepSpeed's state (its ZeRO partition), this rank's experts when sharded, the KL
-        reference (this rank's slices of it); rank 0 also exports the whole policy to `tag/hf`."""
+        reference (this rank's slices of it); rank 0 also exports the whole policy to `tag/hf`. Into
+        `directory` itself on the driver's node (`driver_node`; None: every node sees it); a rank
+        elsewhere writes them on its own disk and returns them packed, for the driver to unpack."""
+        if driver_node is None or this_node() == driver_node:
+            self._save(Path(directory), tag, client_state)
+            return None
+        staging = Path(tempfile.mkdtemp(prefix="rl-checkpoint-"))
+        try:
+            self._save(staging, tag, client_state)
+            return pack_files(staging, files_under(staging))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _save(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
         from policy import save_policy
 
         state = {**client_state, "optimizer_steps": self.optimizer_steps, "policy_version": self.policy_version}
         # no `latest` from DeepSpeed: the trainer writes it once the whole checkpoint (policy export,
         # tokenizer, scheduler state) is on disk, so a run killed mid-save resumes from the one before
-        self.engine.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=state, save_latest=False)
         if self.experts is not None:
             torch.save(self.experts.state_dict(), self._rank_file(directory, tag, "experts"))
         if self.reference is not None and (self.rank == 0 or self.experts is not None):
             torch.save(self.reference.state_dict(), self._rank_file(directory, tag, "reference"))
         whole = self._full_state()
         if self.rank == 0:
-            save_policy(self.engine.module, str(Path(directory) / tag / "hf"), state=whole)
+            save_policy(self.engine.module, str(directory / tag / "hf"), state=whole)
 
-    def load(self, directory: str, tag: str) -> dict[str, Any]:
+    def load(self, checkpoint: ShippedDir) -> dict[str, Any]:
+        """Restore every rank from a checkpoint folder (`.../step_N`) of the driver's node."""
+        tag_dir = checkpoint.local()
+        directory, tag = str(tag_dir.parent), tag_dir.name
         _, client_state = self.engine.load_checkpoint(directory, tag=tag)
         if self.experts is not None:  # DeepSpeed's module file is rank 0's: its experts are rank 0's slice
             self.experts.load_state_dict(torch.load(self._rank_file(directory, tag, "experts"), weights_only=False))

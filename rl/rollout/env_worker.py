@@ -8,6 +8,7 @@ that keeps some warm."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ class EpisodeStart:
     messages: list[dict[str, str]]  # what every member of the group sees first
     domain: str
     max_turns: int
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI-style schemas: the chat template shows them
 
 
 @dataclass
@@ -39,12 +41,20 @@ class EpisodeEnd:
 
 @dataclass
 class EnvHealth:
-    """Counts since the worker started, for the environment-health metrics."""
+    """Counts since the worker started, for the environment-health metrics (a restarted worker, a
+    new pid, counts from zero again)."""
 
     env_errors: dict[str, int] = field(default_factory=dict)
     grade_errors: dict[str, int] = field(default_factory=dict)
     grade_timeouts: dict[str, int] = field(default_factory=dict)
     sandboxes_live: int = 0
+    graders_replaced: int = 0  # grader actors that died or hung and were replaced (their grades retried)
+    pid: int = 0
+
+
+class EpisodeLost(RuntimeError):
+    """The episode is not on this environment worker: the worker died and Ray restarted it since the
+    episode began (its episodes died with it). The scheduler plays the group again."""
 
 
 def _failed(error: str) -> Grade:
@@ -74,6 +84,10 @@ class EnvWorker:
         self.errors: dict[str, str] = {}  # episode id -> why its environment failed
         self.health = EnvHealth()
         self._templates = {name: recipe.make() for name, recipe in env_specs.items()}
+
+    def ping(self) -> int:
+        """Its process id: answers once the actor is up (after a restart, too)."""
+        return os.getpid()
 
     def task_ids(self, env: str, split: str) -> list[str]:
         with self._building:
@@ -106,6 +120,14 @@ class EnvWorker:
             self.episodes[episode_id] = (env_name, env)
         return env, sandbox
 
+    def _episode(self, episode_id: str) -> tuple[str, Any]:
+        with self._lock:
+            found = self.episodes.get(episode_id)
+        if found is None:
+            raise EpisodeLost(f"episode {episode_id} is not on environment worker pid {os.getpid()} "
+                              f"(it restarted since the episode began, or the group was aborted)")
+        return found
+
     def reset_group(self, item: WorkItem, episode_ids: list[str]) -> EpisodeStart:
         """Start one episode per id on the same task; all members see the same first observation."""
         messages = None
@@ -116,12 +138,12 @@ class EnvWorker:
             obs, _ = env.reset(seed=item.seed, options={"task_id": item.task_id, "effort": item.effort,
                                                         "sandbox": sandbox})
             messages = messages or obs
-        return EpisodeStart(messages, template.domain, template.max_turns)
+        return EpisodeStart(messages, template.domain, template.max_turns, template.tools)
 
     def step(self, episode_id: str, text: str) -> StepReply:
         """One assistant turn; the reply says whether the episode ended. A broken environment ends
         its episode (graded as an environment error), never the run."""
-        env = self.episodes[episode_id][1]
+        env = self._episode(episode_id)[1]
         try:
             obs, _reward, terminated, truncated, _info = env.step(text)
         except Exception as exc:  # noqa: BLE001
@@ -132,7 +154,7 @@ class EnvWorker:
 
     def finish(self, episode_id: str) -> EpisodeEnd:
         """Grade the episode through the grader pool and release its resources."""
-        name, env = self.episodes[episode_id]
+        name, env = self._episode(episode_id)
         error = self.errors.get(episode_id)
         try:
             if error:
@@ -161,6 +183,8 @@ class EnvWorker:
     def health_report(self) -> EnvHealth:
         with self._lock:
             self.health.sandboxes_live = self._sandbox_pool.live if self._sandbox_pool is not None else 0
+            self.health.graders_replaced = self.grader_pool.replaced
+            self.health.pid = os.getpid()
             return self.health
 
     def abort(self, uid_prefix: str) -> int:
@@ -211,7 +235,8 @@ class EnvWorker:
                     turns.append({"action": action, "observation": None if done else obs})
                     if done:
                         break
-                out.append({"task_id": task_id, "messages": messages, "turns": turns})
+                out.append({"task_id": task_id, "messages": messages, "turns": turns, "tools": env.tools,
+                            "effort": effort})
             finally:
                 self._release(eid)
         return out

@@ -16,7 +16,10 @@ land in, which may be at most k versions ahead of the newest weights.
 
 Groups whose rewards all agree are dropped and replaced by new draws (dynamic sampling), up to a
 cap per step. A dead worker's groups are re-issued, so no group is lost or counted twice; a group
-whose environment keeps raising is reported and left out."""
+whose environment keeps raising is reported and left out. Rollout and environment workers that die
+are restarted by Ray: groups wait until the worker answers again, each death and the groups it
+cut off are counted and said in the batch report, and a worker Ray will not restart again stops
+the run (`next_batch` raises WorkerLost)."""
 from __future__ import annotations
 
 import asyncio
@@ -25,19 +28,51 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from rl.config import RolloutConfig
+from rl.config import LevelShaping, RolloutConfig
+from rl.faults import first_line
 from rl.metrics import rollout_metrics
+from rl.shaping import shape_rewards
 from rl.rollout.adaptive import AdaptiveWeights, distribution, draw
+from rl.rollout.env_worker import EpisodeLost
 from rl.rollout.worker import NoWeightsError
 from rl.types import RolloutBatch, Sample, WorkItem, env_worker_index
 
 WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
+RESTART_TIMEOUT_S = 300.0  # a worker Ray restarts must answer again within this
+
+
+DEATH_METRICS = {"rollout worker": "faults/rollout_worker_deaths", "environment worker": "faults/env_worker_deaths"}
+DEAD = 0  # in `pids`: the worker's death is counted, the next pid is its successor's
+
+
+class WorkerLost(RuntimeError):
+    """A worker died and will not come back (Ray's restarts for it are used up): the run cannot go on."""
+
+
+def worker_died(exc: BaseException) -> bool:
+    """Whether a call failed because the actor called died (a RayTaskError is its own error, or one
+    of its arguments': weights whose owner, the learner, died arrive as RayTaskError(ActorDiedError))."""
+    return isinstance(exc, WORKER_FAILURES) and not isinstance(exc, RayTaskError)
+
+
+def env_worker_fault(exc: BaseException) -> BaseException | None:
+    """Why a group failed, when its environment worker died under it: the rollout worker answered
+    (a RayTaskError), and what it raised is a failed call to the environment worker (a RayActorError)
+    or an episode its restarted successor does not hold (EpisodeLost). None otherwise."""
+    if not isinstance(exc, RayTaskError):
+        return None  # the rollout worker itself died
+    cause = exc.cause
+    while not isinstance(cause, (RayActorError, EpisodeLost)):
+        if not isinstance(cause, RayTaskError):
+            return None
+        cause = cause.cause
+    return cause
 
 
 @dataclass(frozen=True)
@@ -49,6 +84,8 @@ class SamplingPlan:
     temperature: float
     top_p: float
     seed: int
+    # effort.shaping: a group is uniform when the rewards the learner trains on (shaped) all agree
+    shaping: Mapping[str, LevelShaping] = field(default_factory=dict)
 
     @functools.cached_property
     def _envs(self) -> tuple[list[str], np.ndarray]:  # once: a run may draw from thousands of domains
@@ -91,6 +128,7 @@ class BatchReport:
     metrics: dict[str, float]
     records: list[dict[str, Any]]  # one per sample, for rollouts.jsonl
     errors: list[str] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)  # workers that died since the last batch, one line each
 
 
 class RolloutScheduler:
@@ -126,6 +164,12 @@ class RolloutScheduler:
         self.errors: list[str] = []
         # adaptive sampling (rollout.adaptive): domain weights by the pass rates the batches show
         self.adaptive = AdaptiveWeights(plan.env_weights, cfg.adaptive) if cfg.adaptive.enabled else None
+        # worker faults (rl.rollout.scheduler's recovery paths): "rollout worker 0" / "environment worker 1" ->
+        self.pids: dict[str, int] = {}  # the process that last answered (DEAD: its death is counted)
+        self.died: set[str] = set()  # died since the last batch
+        self.cut_off: dict[str, int] = {}  # groups it cut off since the last batch (played again)
+        self.env_back: dict[int, asyncio.Task] = {}  # environment workers being waited for
+        self.fatal: str | None = None  # a worker that will not come back: the run stops
 
     # -- weights ---------------------------------------------------------------------------------
     async def set_weights(self, wrapped_ref: list, version: int) -> float:
@@ -134,9 +178,9 @@ class RolloutScheduler:
         started = time.monotonic()
         pushes = [w.set_weights.remote(wrapped_ref[0], version) for w in self.workers]
         for w, outcome in enumerate(await asyncio.gather(*pushes, return_exceptions=True)):
-            if isinstance(outcome, WORKER_FAILURES) and w not in self.down:  # restarting: it gets them when back
-                self.down[w] = asyncio.get_running_loop().create_task(self._bring_back(w))
-            elif isinstance(outcome, BaseException) and not isinstance(outcome, WORKER_FAILURES):
+            if worker_died(outcome):  # restarting: it gets them when back
+                self._worker_down(w, died=True)
+            elif isinstance(outcome, BaseException):  # e.g. the weights are gone: the learner died
                 raise outcome
         async with self._changed:
             self.weights_ref, self.version = wrapped_ref, version
@@ -255,7 +299,7 @@ class RolloutScheduler:
             if outcome.samples is None:
                 self._count("rollout/failed_groups")
                 self.errors.append(outcome.error or f"group {uid} failed")
-            elif self.cfg.drop_uniform_groups and len({s.reward for s in outcome.samples}) == 1:
+            elif self.cfg.drop_uniform_groups and len(set(shape_rewards(outcome.samples, self.plan.shaping)[0])) == 1:
                 self._count("rollout/dropped_uniform_groups")
                 self.dropped[outcome.item.index] = outcome.samples
                 self.dropped_items[outcome.item.index] = outcome.item
@@ -272,13 +316,16 @@ class RolloutScheduler:
         dynamic sampling at its cap, the ready groups so far (fewer) make the batch."""
         need = self.cfg.groups_per_step
         started = time.monotonic()
+        await self._notice_restarts()
         async with self._changed:
 
             def enough() -> bool:
                 capped = self.draws_since_batch >= self._draw_cap() and not self.reissue and not self.redraw
                 return len(self.ready) >= need or (capped and not self.flights)
 
-            await self._changed.wait_for(enough)
+            await self._changed.wait_for(lambda: self.fatal is not None or enough())
+            if self.fatal is not None:
+                raise WorkerLost(self.fatal)
             self.draws_since_batch = 0
             self.fresh = set()
             uids = sorted(self.ready, key=lambda u: self.ready_items[u].index)[:need]
@@ -288,6 +335,7 @@ class RolloutScheduler:
             self.batches_taken += 1
             counters, self.counters = self.counters, {}
             errors, self.errors = self.errors, []
+            faults = self._fault_lines()
             dropped = [s for index in sorted(self.dropped) for s in self.dropped[index]]  # stream order
             self.dropped, self.dropped_items = {}, {}
             if self.adaptive is not None:  # before the next draw: the stream weighs what this batch showed
@@ -304,7 +352,7 @@ class RolloutScheduler:
         metrics["time/batch_wait_s"] = time.monotonic() - started
         records = [rollout_record(step, s, trained=True) for s in samples]
         records += [rollout_record(step, s, trained=False) for s in dropped]
-        report = BatchReport(step, len(uids), metrics, records, errors)
+        report = BatchReport(step, len(uids), metrics, records, errors, faults)
         return [ray.put(RolloutBatch(step, samples))], report
 
     # -- playing one group ------------------------------------------------------------------------
@@ -314,11 +362,19 @@ class RolloutScheduler:
         return min(up, key=lambda w: self.load[w]) if up else None
 
     async def _play(self, item: WorkItem) -> GroupOutcome:
-        """Run one group to completion on some worker, re-issuing it when the worker dies."""
+        """Run one group to completion on some worker. A group cut off by a worker's death is played
+        again once the worker answers again (Ray restarts rollout and environment workers), a group
+        that raised is played again at once; either `max_retries` times at most."""
         attempts, reissued = 0, 0
+        env = env_worker_index(item.env, len(self.env_workers))
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: any(w not in self.down for w in range(len(self.workers))))
+                await self._changed.wait_for(
+                    lambda: self.fatal is not None or any(w not in self.down for w in range(len(self.workers))))
+            if env in self.env_back:  # its environment worker is restarting: a group sent now would fail
+                await asyncio.shield(self.env_back[env])
+            if self.fatal is not None:
+                return GroupOutcome(item, None, reissued, self.fatal)
             w = min((w for w in range(len(self.workers)) if w not in self.down), key=lambda w: self.load[w])
             self.load[w] += 1
             # every attempt has its own episode ids: a cancelled attempt's clean-up, arriving late,
@@ -330,54 +386,155 @@ class RolloutScheduler:
             except asyncio.CancelledError:
                 ray.cancel(ref)
                 raise
-            except NoWeightsError:  # restarted between calls: give it the weights, run the group again
-                await self._recover_worker(w, item)
-                reissued += 1
-            except WORKER_FAILURES as exc:
-                attempts += 1
-                if attempts > self.cfg.max_retries:
-                    return GroupOutcome(item, None, reissued, f"group {item.uid} failed {attempts} times; last: {exc}")
-                await self._recover_worker(w, item)
-                reissued += 1
-            except RayTaskError as exc:  # the group itself raised (a broken task or environment)
-                await self._abort_episodes(item)
-                attempts += 1
-                if attempts > self.cfg.max_retries:
-                    cause = getattr(exc, "cause", None) or exc
-                    return GroupOutcome(item, None, reissued, f"{item.uid} ({item.env} task {item.task_id}): "
-                                                              f"{type(cause).__name__}: {cause}")
+            except (RayTaskError, *WORKER_FAILURES) as exc:  # (NoWeightsError arrives as a RayTaskError)
+                failure = exc
             finally:
                 self.load[w] -= 1
+            if isinstance(failure, NoWeightsError):  # restarted between two calls: nothing was played
+                await self._recover_worker(w, item, died=False)
+                reissued += 1
+                continue
+            attempts += 1
+            env_fault = env_worker_fault(failure)
+            if env_fault is not None:
+                self._cut_off(f"environment worker {env}")
+                await self._env_worker_back(env, unreachable=isinstance(env_fault, RayActorError))
+            elif isinstance(failure, RayTaskError):  # the group itself raised (a broken task or environment)
+                await self._abort_episodes(item)
+                if attempts > self.cfg.max_retries:
+                    return GroupOutcome(item, None, reissued,
+                                        f"{item.uid} ({item.env} task {item.task_id}): {first_line(failure)}")
+                continue
+            else:  # the rollout worker died
+                self._cut_off(f"rollout worker {w}")
+                await self._recover_worker(w, item, died=True)
+            if attempts > self.cfg.max_retries:
+                return GroupOutcome(item, None, reissued,
+                                    f"group {item.uid} failed {attempts} times; last: {first_line(failure)}")
+            reissued += 1
 
-    async def _recover_worker(self, w: int, item: WorkItem) -> None:
-        """The actor restarts on its own (max_restarts) and comes back without weights: no group
-        goes to it until it answers again and holds the current weights."""
+    async def _recover_worker(self, w: int, item: WorkItem, died: bool) -> None:
         await self._abort_episodes(item)
+        self._worker_down(w, died)
+
+    def _worker_down(self, w: int, died: bool) -> None:
+        """The actor restarts on its own (max_restarts) and comes back without weights: no group
+        goes to it until it answers again and holds the current weights. died: a call to it failed,
+        and its death is counted now (it may come back only after the run's last batch)."""
         if w not in self.down:
+            if died:
+                self._died(f"rollout worker {w}")
             self.down[w] = asyncio.get_running_loop().create_task(self._bring_back(w))
 
-    async def _bring_back(self, w: int, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        delay = 0.2
+    async def _bring_back(self, w: int) -> None:
         try:
-            while time.monotonic() < deadline:
-                try:
-                    await self.workers[w].ping.remote()
-                    if self.weights_ref:
-                        await self.workers[w].set_weights.remote(self.weights_ref[0], self.version)
+            while await self._answers(f"rollout worker {w}", self.workers[w]) is not None:
+                if not self.weights_ref:
                     return
-                except WORKER_FAILURES:
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, 5.0)
-        finally:  # back (or given up on: the next failure brings it here again)
+                try:
+                    await self.workers[w].set_weights.remote(self.weights_ref[0], self.version)
+                    return
+                except WORKER_FAILURES as exc:
+                    if not worker_died(exc):  # the weights are gone (the learner died): the driver stops
+                        return
+                    continue  # died again before it took them
+        finally:  # back, or gone for good (`fatal` stops the run)
             async with self._changed:
                 self.down.pop(w, None)
                 self._changed.notify_all()
 
+    async def _env_worker_back(self, e: int, unreachable: bool) -> None:
+        """Wait until environment worker e answers again. Every group it cut off waits on one ping,
+        shielded: a group aborted meanwhile must not cancel the others' wait. unreachable: a call to
+        it failed, and its death is counted now (an episode its successor does not hold is counted
+        by the successor's new pid, once)."""
+        name = f"environment worker {e}"
+        waiting = self.env_back.get(e)
+        if waiting is None or waiting.done():
+            if unreachable:
+                self._died(name)
+            waiting = self.env_back[e] = asyncio.get_running_loop().create_task(
+                self._answers(name, self.env_workers[e]))
+        await asyncio.shield(waiting)
+
+    async def _answers(self, name: str, actor) -> int | None:
+        """Wait until a worker Ray restarts answers again: its pid, or None when it never will (the
+        run stops; `fatal` says why)."""
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        delay = 0.2
+        while True:
+            try:
+                pid = await actor.ping.remote()
+            except ActorDiedError:  # Ray says so only once the actor's restarts are used up
+                await self._stop(f"{name} died for good: Ray's restarts for it are used up")
+                return None
+            except WORKER_FAILURES:  # restarting
+                if time.monotonic() > deadline:
+                    await self._stop(f"{name} died for good: it did not answer within {RESTART_TIMEOUT_S:.0f} s "
+                                     f"of its death")
+                    return None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+                continue
+            self._note_pid(name, pid, after_fault=True)
+            return pid
+
+    def _died(self, name: str) -> None:
+        """Count a worker's death, once: the next pid it answers with is its successor's."""
+        self.pids[name] = DEAD
+        self.died.add(name)
+        self._count(DEATH_METRICS[name.rsplit(" ", 1)[0]])
+
+    def _note_pid(self, name: str, pid: int, after_fault: bool) -> None:
+        """A pid other than the one known is a death not counted yet (the worker died between two
+        calls, or while idle). The first pid seen is a successor's only when a fault led here."""
+        known = self.pids.get(name)
+        if known not in (pid, DEAD) and (known is not None or after_fault):
+            self._died(name)
+        self.pids[name] = pid
+
+    def _cut_off(self, name: str) -> None:
+        self.cut_off[name] = self.cut_off.get(name, 0) + 1
+        self._count("faults/cut_off_groups")
+
+    async def _stop(self, reason: str) -> None:
+        async with self._changed:
+            self.fatal = self.fatal or reason
+            self._changed.notify_all()
+
+    async def _notice_restarts(self) -> None:
+        """Every worker's pid: a death that cut off no group (the worker was idle, or came back
+        before its next call) is counted too. A worker that does not answer now is restarting: its
+        next call fails, which counts it."""
+        named = [*((f"rollout worker {w}", a) for w, a in enumerate(self.workers) if w not in self.down),
+                 *((f"environment worker {e}", a) for e, a in enumerate(self.env_workers))]
+        answers = await asyncio.gather(*[asyncio.wait_for(a.ping.remote(), 10.0) for _, a in named],
+                                       return_exceptions=True)
+        for (name, _), pid in zip(named, answers):
+            if isinstance(pid, int):
+                self._note_pid(name, pid, after_fault=False)
+
+    def _fault_lines(self) -> list[str]:
+        """One line per worker that died since the last batch: what it cut off."""
+        lines = []
+        for name in sorted({*self.died, *self.cut_off}):
+            n = self.cut_off.get(name, 0)
+            if name in self.died:
+                lines.append(f"{name} died; Ray restarts it and the {n} group(s) it cut off are played again" if n
+                             else f"{name} died; Ray restarts it (no group was cut off)")
+            else:  # its death was said at an earlier batch
+                lines.append(f"{n} more group(s) cut off by {name}'s death are played again")
+        self.died, self.cut_off = set(), {}
+        return lines
+
     async def _abort_episodes(self, item: WorkItem) -> None:
-        """Close the half-played episodes (and sandboxes) of a group that will not finish."""
+        """Close the half-played episodes (and sandboxes) of a group that will not finish. An
+        environment worker that is restarting or gone holds none: they died with its process."""
         env_worker = self.env_workers[env_worker_index(item.env, len(self.env_workers))]
-        await env_worker.abort.remote(item.episode_prefix)
+        try:
+            await env_worker.abort.remote(item.episode_prefix)
+        except WORKER_FAILURES:
+            pass
 
     # -- evaluation -------------------------------------------------------------------------------
     def plan_eval(self, env: str, efforts: list[str], n_tasks: int, samples: int, temperature: float,
@@ -390,6 +547,7 @@ class RolloutScheduler:
     async def evaluate(self, envs: list[str], efforts: list[str], n_tasks: int, samples: int, temperature: float,
                        tag: str) -> list[Sample]:
         """Held-out episodes, every group played to completion (failed groups are left out)."""
+        await self._notice_restarts()  # the pids a fault is told by
         items = [it for env in envs for it in self.plan_eval(env, efforts, n_tasks, samples, temperature, tag)]
         room = asyncio.Semaphore(self.cfg.groups_per_worker * len(self.workers))
 
@@ -398,6 +556,8 @@ class RolloutScheduler:
                 return await self._play(item)
 
         outcomes = await asyncio.gather(*[one(it) for it in items])
+        if self.fatal is not None:
+            raise WorkerLost(self.fatal)
         return [s for o in outcomes if o.samples for s in o.samples]
 
 
@@ -409,8 +569,11 @@ def rollout_record(step: int, s: Sample, trained: bool) -> dict[str, Any]:
             "version": s.weight_version, "versions": [s.weight_version, s.newest_version],
             # None: the sample generated no token, so no weights sampled it
             "staleness": step - s.weight_version if s.weight_version >= 0 else None,
-            "engine": s.engine, "tokens": s.response_tokens,
+            "engine": s.engine, "tokens": s.response_tokens, "sequence_tokens": len(s.tokens),
             "turns": s.num_turns, "truncated": s.truncated, "phase_s": s.phase_s, "error": s.grade_error,
+            # the effort budget: what it allowed, the reasoning among `tokens`, what it forced or cut
+            "budget": s.budget, "reasoning_tokens": s.reasoning_tokens, "forced_turns": s.forced_turns,
+            "budget_cut": s.budget_cut,
             "grade": s.grade_details, "transcript": s.transcript}
 
 

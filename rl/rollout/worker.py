@@ -3,7 +3,17 @@
 Each group is a coroutine: reset its episodes on the environment worker, open the group in the
 engine (prompt prefilled once), then play each member turn by turn (generate, step the
 environment, append its reply), and grade. While one episode waits for a tool or a grader, the
-engine decodes the others. Every sample records the weight version of each token it generated."""
+engine decodes the others. Every sample records the weight version of each token it generated.
+
+The effort level's budget (`WorkItem.max_new_tokens`) bounds the tokens an episode generates,
+reasoning and response over all its turns: each turn may generate what the episode has left (every
+engine honours max_new_tokens), less `effort.answer_reserve` tokens kept back. At the budget:
+- a turn cut while reasoning is closed by the worker (the tokenizer's close tag, never trained on),
+  and the model answers within the reserve: the turn counts as `forced`;
+- a turn cut anywhere else continues into the reserve;
+- a turn still cut when the budget is spent is never sent to the environment: the episode ends
+  truncated (`budget_cut`) and is graded as it stands (no final answer, the sandbox as it is).
+A turn cut by the context (rollout.max_context) is sent as it stands, as before budgets."""
 from __future__ import annotations
 
 import asyncio
@@ -16,11 +26,12 @@ import numpy as np
 import ray
 import torch
 
-from rl.config import RolloutConfig
+from rl.config import EffortConfig, RolloutConfig
 from rl.rollout.context import ELIDED, Turn, elide_tool_outputs
 from rl.rollout.engine_api import EngineStats, RolloutEngine, SamplingParams, SequenceRecord, TurnOutput
 from rl.rollout.env_worker import EpisodeEnd, EpisodeStart, StepReply
 from rl.rollout.layout import stop_token_ids
+from rl.shipping import ShippedDir, localize
 from rl.types import EPISODE_PHASES, Sample, WorkItem, env_worker_index
 from rl.weight_sync import SyncSpec, SyncTicket, WeightSink
 
@@ -86,19 +97,23 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
 
 
 class RolloutWorker:
-    def __init__(self, model_spec: dict[str, Any], tokenizer_dir: str, env_worker_names: list[str],
-                 cfg: RolloutConfig, seed: int) -> None:
+    answer_reserve = 0  # effort.answer_reserve: tokens of an episode's budget kept for a forced answer
+
+    def __init__(self, model_spec: dict[str, Any], tokenizer: ShippedDir, env_worker_names: list[str],
+                 cfg: RolloutConfig, seed: int, effort: EffortConfig | None = None) -> None:
         torch.set_num_threads(1)
         from policy import load_tokenizer
 
-        self.tokenizer = load_tokenizer(tokenizer_dir)
-        self._engine_args = (model_spec, cfg, seed)
+        self.tokenizer = load_tokenizer(str(tokenizer.local()))
+        self._engine_args = (localize(model_spec), cfg, seed)
         self._engine: RolloutEngine | None = None  # built in the actor's event loop, on first use
         self.env_workers = [ray.get_actor(name) for name in env_worker_names]
         self.max_context = cfg.max_context
         self.stop_ids = frozenset(stop_token_ids(self.tokenizer))
         self.context_policy, self.keep_tool_outputs = cfg.context_policy, cfg.keep_tool_outputs
         self.elided = self.tokenizer.encode_tool_result(ELIDED)
+        if effort is not None:
+            self.answer_reserve = effort.answer_reserve
 
     @property
     def engine(self) -> RolloutEngine:
@@ -158,7 +173,8 @@ class RolloutWorker:
         started = time.monotonic()
         start: EpisodeStart = await env_worker.reset_group.remote(item, ids)
         try:
-            prompt = self.tokenizer.apply_chat_template(start.messages, effort=item.effort, add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(start.messages, effort=item.effort, add_generation_prompt=True,
+                                                        tools=start.tools or None)
             if len(prompt) >= self.max_context:
                 raise ValueError(f"prompt of task {item.task_id!r} in {item.env!r} is {len(prompt)} tokens, "
                                  f"over rollout.max_context={self.max_context}")
@@ -187,9 +203,11 @@ class RolloutWorker:
         segments: list[tuple[_Segment, SequenceRecord]] = []
         append: list[int] = []
         turns, truncated, done = 0, False, False
+        budget = _Budget(item.max_new_tokens, self.answer_reserve if getattr(self.tokenizer, "reasoning", False) else 0)
+        longest = 0  # the longest turn so far: what the next one is expected to need
         while turns < start.max_turns and not done:
             if (self.context_policy == "elide_tool_outputs" and history
-                    and len(seg.tokens) + len(append) + item.max_new_tokens >= self.max_context):
+                    and len(seg.tokens) + len(append) + min(budget.left, longest) >= self.max_context):
                 rebuilt = elide_tool_outputs(prompt, history, self.elided, self.keep_tool_outputs)
                 with clock.phase("generate"):  # the rebuilt context's prefill
                     segments.append((seg, await self.engine.finish(seg_id)))
@@ -197,22 +215,26 @@ class RolloutWorker:
                     opened.append(seg_id)
                     await self.engine.start_group([seg_id], rebuilt)
                 append = []
-            budget = min(item.max_new_tokens, self.max_context - len(seg.tokens) - len(append) - 1)
-            if budget <= 0:
+            room = self.max_context - len(seg.tokens) - len(append) - 1
+            if budget.left <= 0 or room <= 0:
                 truncated = True
+                budget.cut = budget.left <= 0
                 break
-            params = SamplingParams(max_new_tokens=budget, temperature=item.temperature, top_p=item.top_p,
-                                    stop_ids=self.stop_ids, seed=member_seed(item.seed, member))
             with clock.phase("generate"):
-                out = await self.engine.generate(seg_id, append, params)
-            seg.add(append, out)
+                left = budget.left
+                tokens, stopped = await self._turn(item, member, seg, seg_id, append, budget, room)
             turns += 1
+            longest = max(longest, left - budget.left)
+            if not stopped and budget.left <= 0:  # cut by the budget: never stepped, graded as it stands
+                truncated = budget.cut = True
+                break
             with clock.phase("tools"):
-                reply: StepReply = await env_worker.step.remote(sid, self.tokenizer.decode(out.tokens))
+                text = self.tokenizer.canonical_action(self.tokenizer.decode(tokens))
+                reply: StepReply = await env_worker.step.remote(sid, text)
             done, truncated = reply.done, reply.truncated
             if not done:
                 append = self.tokenizer.encode_tool_result(reply.observation)
-                history.append(Turn(out.tokens, append))
+                history.append(Turn(tokens, append))
         truncated = truncated or not done  # out of context or of turns while the episode went on
         with clock.phase("grade"):
             segments.append((seg, await self.engine.finish(seg_id)))
@@ -224,7 +246,51 @@ class RolloutWorker:
             reward=float(end.grade.reward), passed=bool(end.grade.passed), grade_error=end.grade.error,
             grader_version=end.grade.grader_version, grade_details=end.grade.details, num_turns=turns,
             truncated=truncated, routing=part.routing(record), transcript=end.transcript, engine=self.engine.name,
-            segment=k, phase_s=clock.seconds) for k, (part, record) in enumerate(segments)]
+            segment=k, phase_s=clock.seconds, budget=budget.total, reasoning_tokens=part.reasoning,
+            forced_turns=budget.forced, budget_cut=budget.cut)
+            for k, (part, record) in enumerate(segments)]
+
+    async def _turn(self, item: WorkItem, member: int, seg: "_Segment", seg_id: str, append: list[int],
+                    budget: "_Budget", room: int) -> tuple[list[int], bool]:
+        """One assistant turn within the episode's budget (see the module's docstring): the tokens
+        the environment reads (a forced close tag included) and whether the turn ended on a stop."""
+        def params(n: int) -> SamplingParams:
+            return SamplingParams(max_new_tokens=n, temperature=item.temperature, top_p=item.top_p,
+                                  stop_ids=self.stop_ids, seed=member_seed(item.seed, member))
+
+        first = min(budget.left - budget.reserve if budget.left > budget.reserve else budget.left, room)
+        out = await self.engine.generate(seg_id, append, params(first))
+        seg.add(append, out)
+        budget.left -= len(out.tokens)
+        room -= len(out.tokens)
+        tokens = list(out.tokens)
+        if out.stopped or len(out.tokens) < first or budget.left <= 0 or room <= 0:
+            seg.reasoning += self.tokenizer.reasoning_split(tokens)[0]
+            return tokens, out.stopped
+        thinking, still_open = self.tokenizer.reasoning_split(tokens)
+        force = self.tokenizer.forced_answer_ids if still_open else []
+        if force and room > len(force):  # close the reasoning; the model answers within the reserve
+            budget.forced += 1
+            more = await self.engine.generate(seg_id, force, params(min(budget.left, room - len(force))))
+            seg.add(force, more)
+            seg.reasoning += thinking + self.tokenizer.reasoning_split(more.tokens)[0]
+            tokens += force + more.tokens
+        else:  # cut outside reasoning: the turn goes on into the reserve
+            more = await self.engine.generate(seg_id, [], params(min(budget.left, room)))
+            seg.add([], more)
+            tokens += more.tokens
+            seg.reasoning += self.tokenizer.reasoning_split(tokens)[0]
+        budget.left -= len(more.tokens)
+        return tokens, more.stopped
+
+
+class _Budget:
+    """An episode's token budget: what is left, the reserve kept for a forced answer, what it cut."""
+
+    def __init__(self, total: int, reserve: int) -> None:
+        self.total, self.left, self.reserve = total, total, reserve
+        self.forced = 0  # turns whose reasoning the worker closed
+        self.cut = False  # the episode ended because the budget ran out
 
 
 class _PhaseClock:
@@ -248,6 +314,7 @@ class _Segment:
     def __init__(self, context: list[int]) -> None:
         self.tokens, self.loss_mask = list(context), [0] * len(context)
         self.logprobs, self.versions = [0.0] * len(context), [-1] * len(context)
+        self.reasoning = 0  # generated tokens of reasoning in this context
 
     def add(self, append: list[int], out: TurnOutput) -> None:
         self.tokens += append + out.tokens

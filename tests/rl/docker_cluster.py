@@ -17,10 +17,12 @@ PYTHON_HOME = Path(os.path.realpath(REPO / ".venv" / "bin" / "python")).parents[
 
 
 HEAD = """
-import sys
+import json, sys
 from ray.cluster_utils import Cluster
 
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+resources = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                       "resources": resources})
 print(cluster.address, flush=True)
 sys.stdin.read()  # until the test closes it
 cluster.shutdown()
@@ -34,12 +36,13 @@ def free_port() -> int:
 
 
 class DockerCluster:
-    def __init__(self, image: str, name: str) -> None:
+    def __init__(self, image: str, name: str, head_resources: dict[str, float] | None = None) -> None:
         self.image, self.name = image, name
         # one token for every process of the cluster: the head's, the containers' and the driver's
         self.auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         # the head in a process of its own: a process that imported ray already keeps the auth mode it read
-        self.head = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), "-c", HEAD], stdin=subprocess.PIPE,
+        self.head = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), "-c", HEAD,
+                                      json.dumps(head_resources or {})], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env={**os.environ, **self.auth_env})
         self.address = self.head.stdout.readline().strip()
         if not self.address:

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,80 @@ def test_train_joins_a_cluster_whose_learner_shares_no_path_with_the_driver(tmp_
     in_cluster(f"train|--resume|{run_dir}|train.steps=4")
     steps = [json_step for json_step in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step": 3' in json_step]
     assert steps and (run_dir / "checkpoints" / "step_3" / "manifest.json").exists()
+
+
+def test_joining_a_cluster_without_its_token_is_one_line(tmp_path):
+    """Ray retries for twenty seconds, printing a warning each time, then raises a chain of tracebacks;
+    `rl train` says once what is missing and how to give it."""
+    import secrets
+
+    from docker_cluster import HEAD
+
+    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    head = subprocess.Popen([sys.executable, "-c", HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **token})
+    try:
+        address = head.stdout.readline().strip()
+        tree = {**TINY, "output_dir": str(tmp_path / "runs"), "gate": {"enabled": False}}
+        config = tmp_path / "c.yaml"
+        config.write_text(yaml.safe_dump(tree))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        proc = subprocess.run([str(Path(sys.executable).with_name("rl")), "train", str(config),
+                               f"ray.address={address}"], capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        head.stdin.close()
+        head.wait(120)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip() and "run folder" not in line]
+    assert proc.returncode != 0
+    assert [line for line in lines if "RAY_AUTH_TOKEN" in line], lines
+    assert len(lines) <= 3, lines  # the run folder's line aside: Ray's connect line, ours
+
+
+JOB_HEAD = """
+import sys
+import time
+from ray.cluster_utils import Cluster
+
+dashboard, agent = int(sys.argv[1]), int(sys.argv[2])
+cluster = Cluster(initialize_head=True, head_node_args={
+    "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard,
+    "dashboard_agent_listen_port": agent})
+print(cluster.address, flush=True)
+sys.stdin.read()  # until the test closes it
+cluster.shutdown()
+"""
+
+
+def test_a_run_submitted_as_a_ray_job(tmp_path):
+    """`ray job submit --working-dir DIR -- rl train CONFIG` against a head node with the job server (Ray's
+    [default] extra): the entrypoint is the driver, on the head (`ray.address: auto`), its config shipped in
+    the job's working directory."""
+    pytest.importorskip("aiohttp_cors")  # ray[default]
+    from docker_cluster import free_port
+
+    dashboard, agent = free_port(), free_port()
+    venv_bin = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}"}  # as a node image puts `rl` on the PATH
+    head = subprocess.Popen([sys.executable, "-c", JOB_HEAD, str(dashboard), str(agent)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert head.stdout.readline().strip()
+        job_dir = tmp_path / "job"
+        job_dir.mkdir()
+        tree = {**TINY, "output_dir": str(tmp_path / "runs"), "train": {"steps": 1}, "gate": {"enabled": False},
+                "eval": {"tasks_per_env": 1, "efforts": ["low"], "before_and_after": False}, "ray": {"address": "auto"}}
+        (job_dir / "c.yaml").write_text(yaml.safe_dump(tree))
+        submit = [str(Path(venv_bin) / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
+                  "--working-dir", str(job_dir), "--", "rl", "train", "c.yaml"]
+        deadline = time.monotonic() + 120
+        while True:  # the head's job agent takes a while to answer on a busy machine
+            proc = subprocess.run(submit, capture_output=True, text=True, timeout=900, env=env)
+            if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(5)
+    finally:
+        head.stdin.close()
+        head.wait(120)
+    assert proc.returncode == 0 and "succeeded" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert (run_dir / "checkpoints" / "step_0" / "manifest.json").exists()

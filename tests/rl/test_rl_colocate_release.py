@@ -8,6 +8,7 @@ import torch
 
 from rl.cluster import env_worker_name, model_spec, start_env_side
 from rl.config import validate
+from rl.shipping import ship_dir
 from rl.trainer import release_rollout_caches
 from rl.types import WorkItem
 
@@ -25,7 +26,7 @@ def test_a_worker_frees_its_cache_between_groups_and_plays_the_same_tokens(ray_s
     Tokenizer.train(["what is 3 + 4? the answer is 7."] * 20, vocab_size=320).save(str(tmp_path))
     spec = model_spec(cfg, 320)
     worker = ray.remote(RolloutWorker).options(num_cpus=0.25).remote(
-        spec, str(tmp_path), [env_worker_name("release-test", 0)], cfg.rollout, 7)
+        spec, ship_dir(tmp_path), [env_worker_name("release-test", 0)], cfg.rollout, 7)
     try:
         assert release_rollout_caches([worker]) == 0.0  # no engine built yet: nothing to free
         torch.manual_seed(0)

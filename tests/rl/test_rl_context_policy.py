@@ -90,7 +90,7 @@ def worker(tokenizer, policy: str, max_context: int) -> RolloutWorker:
 
 
 def play(w: RolloutWorker, prompt: list[int]):
-    item = WorkItem(uid="g1", env="shell", task_id="t", effort="low", group_size=1, seed=3, max_new_tokens=6,
+    item = WorkItem(uid="g1", env="shell", task_id="t", effort="low", group_size=1, seed=3, max_new_tokens=30,
                     temperature=1.0, top_p=1.0)
     start = EpisodeStart([{"role": "user", "content": "q"}], "agentic_shell", max_turns=5)
 

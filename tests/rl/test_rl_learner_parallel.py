@@ -138,12 +138,13 @@ def test_a_weight_sync_carries_every_ranks_experts_to_a_worker(ray_session, tmp_
     from policy import Tokenizer
     from rl.config import RolloutConfig
     from rl.rollout.worker import RolloutWorker
+    from rl.shipping import ship_dir
     from rl.weight_sync import SyncSpec, open_weight_sync, sync_weights
 
     ray = ray_session
     Tokenizer.train(["the quick brown fox jumps over the lazy dog 0123456789"] * 20, vocab_size=320).save(str(tmp_path))
     group = learner_group(2, 2)
-    worker = ray.remote(RolloutWorker).options(num_cpus=0.25).remote(SPEC, str(tmp_path), [], RolloutConfig(), 7)
+    worker = ray.remote(RolloutWorker).options(num_cpus=0.25).remote(SPEC, ship_dir(tmp_path), [], RolloutConfig(), 7)
     try:
         group.sft_step(sft_examples(), 1e-2)  # weights no rank was built with
         spec = open_weight_sync(group, [worker], SyncSpec(transport=transport, bucket_bytes=64 << 10, backend="gloo"))

@@ -141,3 +141,15 @@ def test_asking_more_gpus_than_the_cluster_has_fails_at_start_in_one_line(tmp_pa
     assert said == ["error: resources: the config asks for 3 GPUs (learner_gpus=1, 2 rollout worker(s) x "
                     "rollout_gpus=1.0), the Ray cluster has 2"], lines
     assert not (next((tmp_path / "runs").iterdir()) / "gate.json").exists()  # refused before the quality gate
+
+
+def test_a_role_asking_for_a_resource_no_node_offers_is_refused_in_one_line(ray_session):
+    """Actors asking for a custom resource the cluster lacks would wait forever; the run refuses at start."""
+    from rl.errors import RunRefused
+    from rl.placement import check_custom_resources
+
+    with pytest.raises(RunRefused, match=r"^resources.learner_resources: 2 actor\(s\) x learner_node=1 need 2, the "
+                                         r"Ray cluster offers 0 \(start nodes with ray start --resources"):
+        check_custom_resources({"learner": {"learner_node": 1.0}, "rollout": {}, "env": {}},
+                               {"learner": 2, "rollout": 2, "env": 1})
+    check_custom_resources({"learner": {"CPU": 0.5}, "rollout": {}, "env": {}}, {"learner": 2, "rollout": 2, "env": 1})

@@ -287,6 +287,58 @@ def test_killed_async_run_resumes_without_losing_or_repeating_a_sample(tmp_path,
     assert pending <= reported, "groups issued before the kill were never played again"
 
 
+def run_killed_at(config: Path, tmp_path: Path, tag: str) -> Path:
+    """`rl train config` in its own process group, SIGKILLed (driver and the Ray cluster it started)
+    as soon as checkpoint `tag` is complete; returns the run folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "rl.cli", "train", str(config)], cwd=str(Path(__file__).parents[2]),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            runs = list((tmp_path / "runs").glob("*")) if (tmp_path / "runs").exists() else []
+            marker = runs[0] / "checkpoints" / "latest" if runs else None
+            if marker is not None and marker.exists() and marker.read_text() == tag:
+                break
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return only_run(tmp_path)
+
+
+def test_a_killed_synchronous_run_resumes_into_the_uninterrupted_runs_folder(tmp_path, ray_session):
+    """Killed once step 2's checkpoint exists, then resumed: rollouts.jsonl and metrics.jsonl hold what an
+    uninterrupted run writes, sample for sample (times aside). The tiny policy's groups all agree, so every
+    step refills to the draw cap: the resumed scheduler used to count its batches from 0 against weights at
+    version 3, admitting groups past the cap and logging extra rows (640 where 512 belong in the issue's
+    demo run). With the KL term on, each checkpoint keeps the reference (tests/rl/test_rl_learner_defects.py
+    checks its values)."""
+    sync = {**RESUMABLE, "rollout": TINY["rollout"], "train": {"steps": 5, "kl_coef": 0.05}}
+    whole_cfg = write_config(tmp_path / "whole", **sync)
+    run_cli("train", str(whole_cfg))
+    whole = only_run(tmp_path / "whole")
+    killed = run_killed_at(write_config(tmp_path / "killed", **sync), tmp_path / "killed", "step_2")
+    output = run_cli("train", "--resume", str(killed))
+    assert "continuing at step 3" in output
+
+    def rows(run_dir: Path) -> list[dict]:
+        return [{k: r[k] for k in ("step", "uid", "reward", "trained", "transcript", "version")}
+                for r in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines())]
+
+    assert rows(killed) == rows(whole)
+    assert comparable_metrics(killed) == comparable_metrics(whole)
+    assert all(m.get("rollout/refilled_groups", 0) > 0 for m in read_metrics(whole) if m["step"] >= 0)
+    assert (killed / "checkpoints" / "step_4" / "reference_rank000.pt").exists()
+
+
 def test_resuming_a_finished_run_changes_nothing(tmp_path, ray_session):
     config = write_config(tmp_path, train={"steps": 1, "micro_batches": 1}, gate={"enabled": False},
                           eval={"tasks_per_env": 1, "efforts": ["low"]})

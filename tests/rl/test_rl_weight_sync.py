@@ -99,12 +99,13 @@ def actors(ray_session, tmp_path_factory):
     from rl.config import RolloutConfig, TrainConfig
     from rl.learner import LearnerGroup
     from rl.rollout.worker import RolloutWorker
+    from rl.shipping import ship_dir
 
     ray = ray_session
     tok_dir = tmp_path_factory.mktemp("tok")
     Tokenizer.train(["the quick brown fox jumps over the lazy dog 0123456789"] * 20, vocab_size=320).save(str(tok_dir))
     learner = LearnerGroup(SPEC, TrainConfig(), 512, 1.0, 0, 0, [{"num_cpus": 0.5}])
-    workers = [ray.remote(RolloutWorker).options(num_cpus=0.25).remote(SPEC, str(tok_dir), [], RolloutConfig(), 7 + i)
+    workers = [ray.remote(RolloutWorker).options(num_cpus=0.25).remote(SPEC, ship_dir(tok_dir), [], RolloutConfig(), 7 + i)
                for i in range(2)]
     yield ray, learner, workers
     learner.shutdown()
