@@ -30,7 +30,8 @@ def line(r) -> str:
     staleness = ", ".join(f"{k}: {v:.0%}" for k, v in r.staleness.items())
     return (f"{c.rollout_workers} workers, {c.sandboxes} sandboxes, {c.domains} domains, {c.groups_per_step} groups "
             f"a step, k={c.max_staleness}: scheduler CPU {r.scheduler_cpu_s_per_step:.2f} s a step "
-            f"({r.core_share():.1%} of a core; simulated world {r.world_cpu_s_per_step:.2f} s), step "
+            f"({r.core_share():.1%} of a core; simulated world {r.world_cpu_s_per_step:.2f} s), driver's bookkeeping "
+            f"{r.driver_cpu_s_per_step:.2f} s ({r.rollouts_bytes_per_step / 2**20:.0f} MiB of rollouts.jsonl), step "
             f"{r.sim_s / r.steps:.0f} s simulated, {r.samples_per_s:.0f} samples/s; staleness {staleness}; idle: "
             f"group places {r.slot_idle:.0%}, sandboxes {r.sandbox_idle:.0%}, learner {r.learner_idle:.0%}; "
             f"{r.aborted_groups:.0f} groups aborted and {r.redrawn_groups:.0f} redrawn a step; at most "

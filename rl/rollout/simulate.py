@@ -8,24 +8,30 @@ costs only the CPU the code spends. Around the scheduler: simulated rollout work
 for a long-tailed, lognormal time), environment workers (abort only), a learner that takes
 `learn_s` a step, and a weight push of `sync_s` to every worker. Rewards are Bernoulli in each
 domain's pass rate, so dynamic sampling drops and redraws as in a run. What it measures: the
-scheduler's CPU time per step (all the process's CPU but the simulated world's own callbacks: an
-upper bound), the staleness of the trained samples, and the idle share of the rollout workers'
-group places, the sandboxes and the learner."""
+scheduler's CPU time per step (all the process's CPU but the simulated world's own callbacks and the
+driver's bookkeeping: an upper bound), the driver's bookkeeping of each batch (its metrics line, every
+sample's record to rollouts.jsonl, the hack monitor), the staleness of the trained samples, and the
+idle share of the rollout workers' group places, the sandboxes and the learner."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import selectors
+import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
 from rl.config import RolloutConfig
+from rl.hack_monitor import HackMonitor, responses_from_records
 from rl.rollout import scheduler as scheduler_module
 from rl.rollout.scheduler import RolloutScheduler, SamplingPlan
+from rl.run_folder import append_jsonl
 from rl.types import Sample, WorkItem
 
 
@@ -74,6 +80,7 @@ class SimConfig:
     seed: int = 0
     pass_rates: tuple[float, ...] | None = None  # each domain's in turn; None: drawn from Beta(0.6, 0.6)
     adaptive: bool = False  # rollout.adaptive.enabled
+    transcript_chars: int = 2000  # each sample's transcript, as rollouts.jsonl records it
 
 
 class _Method:
@@ -130,6 +137,8 @@ class World:
         self.busy_since = 0.0
         self.group_time = 0.0  # integral of running groups over time
         self.sandbox_time = 0.0  # integral of held sandboxes over time
+        turn = "x" * (cfg.transcript_chars // 4)
+        self.transcript = [{"role": role, "content": turn} for role in ("system", "user", "assistant", "tool")]
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator[None]:
@@ -206,7 +215,8 @@ class World:
             group.samples.append(Sample(
                 uid=f"{item.uid}/{i}", group_uid=item.uid, env=item.env, domain=item.env, task_id=item.task_id,
                 effort=item.effort, tokens=[1, 2], loss_mask=[1, 1], behavior_logprobs=[0.0, 0.0],
-                token_versions=[start_version, group.worker.version], reward=float(passed), passed=passed))
+                token_versions=[start_version, group.worker.version], reward=float(passed), passed=passed,
+                transcript=self.transcript))
             group.pending -= 1
             if not group.pending:
                 group.future.set_result(group.samples)
@@ -231,6 +241,31 @@ class World:
             while worker.backlog and worker.running < self.cfg.groups_per_worker:
                 self._on_slot(worker.backlog.popleft())
             self._hand_out()
+
+
+class _Driver:
+    """What `rl train`'s loop does with each batch report besides waiting: the metrics line, every
+    sample to rollouts.jsonl (a file in a temporary folder), the hack monitor (rl/trainer.py)."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.TemporaryDirectory(prefix="sim-run-")
+        self.hacks = HackMonitor()
+        self.cpu_s = 0.0
+        self.bytes = 0
+
+    def keep(self, step: int, report: Any, measured: bool) -> None:
+        t0 = time.process_time()
+        path = Path(self.folder.name) / "rollouts.jsonl"
+        json.dumps({"step": step, **report.metrics})  # the metrics line's cost (its file is not the question)
+        self.hacks.observe(step, responses_from_records(report.records))
+        append_jsonl(path, report.records)
+        if measured:
+            self.cpu_s += time.process_time() - t0
+            self.bytes += path.stat().st_size
+        path.unlink()
+
+    def close(self) -> None:
+        self.folder.cleanup()
 
 
 class _NoRay:
@@ -262,6 +297,8 @@ class SimResult:
     sim_s: float  # virtual seconds of the measured steps
     scheduler_cpu_s_per_step: float
     world_cpu_s_per_step: float
+    driver_cpu_s_per_step: float  # the trainer's bookkeeping of a batch: metrics line, rollouts.jsonl, hack monitor
+    rollouts_bytes_per_step: float
     samples_per_s: float
     staleness: dict[int, float]  # share of trained samples by staleness
     slot_idle: float  # rollout workers' group places without a group
@@ -315,6 +352,7 @@ async def _run(cfg: SimConfig, loop: asyncio.AbstractEventLoop) -> SimResult:
     await scheduler.start_training(None)
     staleness: Counter[int] = Counter()
     drawn: Counter[str] = Counter()
+    driver = _Driver()
     waited = aborted = redrawn = 0.0
     trained = 0
     marks: dict[str, float] = {}
@@ -325,6 +363,7 @@ async def _run(cfg: SimConfig, loop: asyncio.AbstractEventLoop) -> SimResult:
                      "sandboxes": world.sandbox_time}
         t0 = loop.time()
         batch, report = await scheduler.next_batch(step)
+        driver.keep(step, report, measured=step >= cfg.warmup_steps)
         if step >= cfg.warmup_steps:
             waited += loop.time() - t0
             staleness.update(r["staleness"] for r in report.records if r["trained"] and r["staleness"] is not None)
@@ -340,11 +379,13 @@ async def _run(cfg: SimConfig, loop: asyncio.AbstractEventLoop) -> SimResult:
     measured = cfg.steps - cfg.warmup_steps
     sim_s = loop.time() - marks["t"]
     world_cpu = world.cpu_s - marks["world"]
-    cpu = time.process_time() - marks["cpu"] - world_cpu
+    cpu = time.process_time() - marks["cpu"] - world_cpu - driver.cpu_s
+    driver.close()
     total = sum(staleness.values()) or 1
     return SimResult(
         config=cfg, steps=measured, sim_s=sim_s, scheduler_cpu_s_per_step=cpu / measured,
-        world_cpu_s_per_step=world_cpu / measured, samples_per_s=trained / sim_s,
+        world_cpu_s_per_step=world_cpu / measured, driver_cpu_s_per_step=driver.cpu_s / measured,
+        rollouts_bytes_per_step=driver.bytes / measured, samples_per_s=trained / sim_s,
         staleness={k: v / total for k, v in sorted(staleness.items())},
         slot_idle=1.0 - (world.group_time - marks["groups"]) / (sim_s * cfg.rollout_workers * cfg.groups_per_worker),
         sandbox_idle=1.0 - (world.sandbox_time - marks["sandboxes"]) / (sim_s * cfg.sandboxes),
