@@ -228,6 +228,8 @@ class Trainer:
                 self._gate()
             self._where = "during set-up"
             self._env_workers = start_env_side(cfg, self.run_id)
+            if self.resume:
+                self._fetch_newer_from_mirror()
             resuming = self.resume and latest_checkpoint(self.run_dir) is not None
             if self.resume and not resuming:  # it stopped before its first checkpoint: it starts again
                 for name in (*STEP_LOGS, "eval_before.json"):
