@@ -90,8 +90,8 @@ class DatasetEnv(Environment):
             raise FileNotFoundError(f"dataset: data_files not found: {data_files}")
         if match not in MATCHES:
             raise ValueError(f"dataset: unknown match {match!r}; expected one of {MATCHES}")
-        if not 0 < heldout_fraction < 1:  # both splits need tasks
-            raise ValueError(f"dataset: heldout_fraction must be between 0 and 1, got {heldout_fraction}")
+        if not 0 <= heldout_fraction < 1:  # checked at first use too (envs.data.split_by_id): here, before Ray
+            raise ValueError(f"dataset: heldout_fraction must be in [0, 1), got {heldout_fraction}")
         self.path, self.subset, self.subset_column = path, subset, subset_column
         self.question_column, self.answer_column, self.match = question_column, answer_column, match
         self.system_prompt, self.heldout_fraction = system_prompt, heldout_fraction

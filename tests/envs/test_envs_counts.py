@@ -38,7 +38,8 @@ def test_other_counts_of_the_builtins(tmp_path):
     assert "lookup: top_k must be at least 1, got 0" in refused("lookup", {"top_k": 0})
     data = tmp_path / "qa.jsonl"
     data.write_text('{"question": "1+1?", "answer": "2"}\n')
-    for fraction in (0.0, 1.0, -0.5):
-        assert f"dataset: heldout_fraction must be between 0 and 1, got {fraction}" in \
+    for fraction in (1.0, -0.5, 7.0):
+        assert f"dataset: heldout_fraction must be in [0, 1), got {fraction}" in \
             refused("dataset", {"data_files": str(data), "heldout_fraction": fraction})
-    check_kwargs("dataset", {"data_files": str(data), "heldout_fraction": 0.5})
+    for fraction in (0.0, 0.5):
+        check_kwargs("dataset", {"data_files": str(data), "heldout_fraction": fraction})
