@@ -25,12 +25,16 @@ import os
 import sys
 import types
 
+TYPE_CHECKING = False  # typing's, without importing typing in the sandbox
+if TYPE_CHECKING:
+    from sandbox import ExecResult
+
 PASSED = "ALL TESTS PASSED"
 _SETS = {"tuple": tuple, "set": set, "frozenset": frozenset}
 
 
 def run_judge(backend: str, solution: tuple[str, str], module: str, tests: str, context: str = "",
-              check: str | None = None, timeout: float = 10.0) -> tuple[bool, object]:
+              check: str | None = None, timeout: float = 10.0) -> tuple[bool, ExecResult]:
     """The graders' side: run `tests` against `solution` (file name, source), importable as `module`, in a
     fresh sandbox. `context` is trusted code run before the tests (helpers they use); `check`, when given,
     names the solution's function that the tests' `check(candidate)` is called with. Returns (passed,
