@@ -1,8 +1,9 @@
 """The code and shell graders' verdicts cannot be forged by the code under test.
 
-Each attack is a wrong solution plus a trick that made the old, one-process harness print its
-success line (or pass its asserts) without solving the task. All must score 0 on every backend;
-the reference still scores 1, so a judge that fails everything cannot pass these tests.
+Each attack is a wrong solution plus a trick; all but one (patching open() in calc.py, which the old
+shell runner had opened its tests with already) made the old one-process harness print its success
+line or pass its asserts without solving the task. All must score 0 on every backend; the reference
+still scores 1, so a judge that fails everything cannot pass these tests.
 """
 from __future__ import annotations
 
@@ -159,12 +160,10 @@ def test_code_solution_cannot_read_the_tests(code_env):
 
 def test_code_tests_never_import_what_the_solution_plants(code_env):
     env, task = code_env
-    fn = task["entry_point"]
-    solution = task["solution"]  # right on the tests' own assert: only the planted import can forge the verdict
+    solution = task["solution"]  # passes the task's asserts, never the added one: only the planted module could
     tests = task["tests"].replace("def check(candidate):\n", "def check(candidate):\n    import fractions\n") + \
         "    assert candidate(0) == 'never'\n"
-    assert _code_grade(env, task, _SHADOW + WRONG.format(fn=fn + "_unused", result="None") + solution,
-                       tests).reward == 0.0
+    assert _code_grade(env, task, _SHADOW + solution, tests).reward == 0.0
     assert _code_grade(env, task, solution, tests.replace("    assert candidate(0) == 'never'\n", "")).passed
 
 
