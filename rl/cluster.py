@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rl.config import RunConfig
 from rl.errors import RunRefused
 from rl.placement import Placement, check_cluster, check_custom_resources, plan_placement
-from rl.shipping import ship_dir
+from rl.shipping import ship_dir, this_node
 
 REPO = Path(__file__).resolve().parents[1]
 ENV_WORKER_CPUS = 0.25
@@ -99,6 +100,9 @@ class RunActors:
     scheduler: Any
     learner: Any | None  # a LearnerGroup
     placement: Placement | None = None
+    # what the actors were given through the object store: held here so that an actor Ray restarts
+    # (a lost node) can still read its constructor's directories
+    shipped: tuple = ()
 
     def shutdown(self) -> None:
         if self.learner is not None:
@@ -199,6 +203,10 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
                         effort_budgets=cfg.effort.budgets, group_size=cfg.rollout.group_size,
                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed,
                         shaping=cfg.effort.shaping)
-    scheduler = ray.remote(RolloutScheduler).options(num_cpus=0, name=f"scheduler-{run_id}").remote(
+    # the scheduler holds the stream's state and is not restarted: on the driver's node, which a run
+    # cannot lose and go on
+    here = NodeAffinitySchedulingStrategy(node_id=this_node(), soft=False)
+    scheduler = ray.remote(RolloutScheduler).options(num_cpus=0, name=f"scheduler-{run_id}",
+                                                     scheduling_strategy=here).remote(
         rollout_workers, env_workers, task_ids, plan, cfg.rollout)
-    return RunActors(env_workers, rollout_workers, scheduler, learner, placement)
+    return RunActors(env_workers, rollout_workers, scheduler, learner, placement, (tokenizer, spec))

@@ -370,7 +370,7 @@ class Trainer:
                 self._signals.check()
                 self._where = f"at step {step}"
                 t0 = time.monotonic()
-                batch_ref, report = ray.get(actors.scheduler.next_batch.remote(step))
+                batch_ref, report = self._next_batch(step)
                 t1 = time.monotonic()
                 released_mb = release_rollout_caches(actors.rollout_workers) if release else None
                 trained = actors.learner.train_step(batch_ref[0])  # resolved by Ray in each rank, never here
@@ -436,6 +436,19 @@ class Trainer:
             if not (torn / MANIFEST).exists():
                 shutil.rmtree(torn, ignore_errors=True)
             raise RunStopped(stop_line(self.run_dir, f"checkpoint step_{step} failed: {why}")) from exc
+
+    def _next_batch(self, step: int):
+        """The scheduler's next batch; while it waits on workers Ray is restarting (a lost node's, that
+        need a node with room for them), one line each says so."""
+        ref = self.actors.scheduler.next_batch.remote(step)
+        said: set[str] = set()
+        while not ray.wait([ref], timeout=WAIT_REPORT_S)[0]:
+            for name, seconds in ray.get(self.actors.scheduler.waiting_on.remote(WAIT_REPORT_S)):
+                if name not in said:
+                    said.add(name)
+                    self.say(f"step {step}: waiting for {name} to come back ({seconds:.0f} s so far): Ray is "
+                             f"restarting it, on a node with room for it (a lost node's workers wait for one to join)")
+        return ray.get(ref)
 
     def _say_problems(self, step: int, report, metrics: dict[str, float]) -> None:
         """Worker restarts, grader actors replaced, failed groups and ungraded samples are said on
@@ -506,6 +519,8 @@ class _EnvHealth:
         out["env/sandbox_live"] = live
         return out
 
+
+WAIT_REPORT_S = 10.0  # a step waiting this long on a restarting worker says so
 
 # the native engine's running totals (EngineStats.extra) the pace reads: host time launching steps,
 # host time waiting on the device for their results, time capturing CUDA graphs

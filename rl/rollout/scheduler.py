@@ -169,6 +169,7 @@ class RolloutScheduler:
         self.died: set[str] = set()  # died since the last batch
         self.cut_off: dict[str, int] = {}  # groups it cut off since the last batch (played again)
         self.env_back: dict[int, asyncio.Task] = {}  # environment workers being waited for
+        self.awaited: dict[str, float] = {}  # workers waited for (restarting), since when (monotonic)
         self.fatal: str | None = None  # a worker that will not come back: the run stops
 
     # -- weights ---------------------------------------------------------------------------------
@@ -462,6 +463,19 @@ class RolloutScheduler:
         run stops; `fatal` says why)."""
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         delay = 0.2
+        self.awaited.setdefault(name, time.monotonic())
+        try:
+            return await self._answer_loop(name, actor, deadline, delay)
+        finally:
+            self.awaited.pop(name, None)
+
+    def waiting_on(self, longer_than_s: float) -> list[tuple[str, float]]:
+        """(worker, seconds) of the restarting workers waited for longer than `longer_than_s`: a lost
+        node's workers wait until a node with room for them joins (the driver says so)."""
+        now = time.monotonic()
+        return [(name, now - since) for name, since in self.awaited.items() if now - since > longer_than_s]
+
+    async def _answer_loop(self, name: str, actor, deadline: float, delay: float) -> int | None:
         while True:
             try:
                 pid = await actor.ping.remote()
