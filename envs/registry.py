@@ -42,6 +42,14 @@ class EnvRegistryError(ValueError):
     """A name that is unknown, taken, or whose class cannot be loaded; the message is one line."""
 
 
+class EnvFileImportError(EnvRegistryError):
+    """An environment file raised at import; `failure` is what it raised, in one line."""
+
+    def __init__(self, path: Path, failure: str):
+        super().__init__(f"environment file {path} failed at import: {failure}")
+        self.failure = failure
+
+
 @dataclass
 class _Entry:
     name: str
@@ -210,7 +218,7 @@ def load_file_class(spec: str) -> type[Environment]:
             del sys.modules[mod_name]
             if isinstance(exc, KeyboardInterrupt):  # the user's own Ctrl-C stays one
                 raise
-            raise EnvRegistryError(f"environment file {path} failed at import: {_import_failure(exc)}") from None
+            raise EnvFileImportError(path, _import_failure(exc)) from None
         _ship_by_value(module)
     if not hasattr(module, cls_name):
         raise AttributeError(f"{path} has no class {cls_name!r}")
@@ -380,9 +388,13 @@ def check_names(names: Sequence[str], where: str = "envs") -> None:
         try:
             entry.load()
         except Exception as exc:  # noqa: BLE001 - any import error becomes the one-line message
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            if isinstance(exc, EnvFileImportError):  # the target already names the file
+                failure = exc.failure
+            else:
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                failure = f"{type(exc).__name__}: {detail}"
             raise EnvRegistryError(f"environment {name!r} in {where}[{i}] cannot be loaded from {entry.target}: "
-                                   f"{type(exc).__name__}: {detail}") from None
+                                   f"{failure}") from None
 
 
 def check_kwargs(name: str, kwargs: dict[str, Any]) -> None:

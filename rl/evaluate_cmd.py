@@ -103,8 +103,11 @@ def evaluate_checkpoint(config_path: str, checkpoint: str | None, overrides: lis
         spec = {"path": str(model_dir)}
         actors = start_policy_side(cfg, run_id, spec, str(tok_dir), tok.pad_id, env_workers, with_learner=False)
         e = cfg.eval
-        samples = ray.get(actors.scheduler.evaluate.remote([x.name for x in cfg.envs], e.efforts, e.tasks_per_env,
-                                                           e.samples_per_task, e.temperature, "eval"))
+        result = ray.get(actors.scheduler.evaluate.remote([x.name for x in cfg.envs], e.efforts, e.tasks_per_env,
+                                                          e.samples_per_task, e.temperature, "eval"))
+        samples = result.samples
+        if result.failure_line() and console is not None:
+            console.print(result.failure_line(), highlight=False, soft_wrap=True)
         if not samples:  # an empty table would read as a result
             raise RunRefused(f"evaluating {label} produced no episodes; there is nothing to report")
         summary = summarise_eval(samples)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envs.grades import Grade
+from rl.faults import first_line
 from rl.types import WorkItem
 
 
@@ -220,13 +221,16 @@ class EnvWorker:
             self._sandbox_pool.close()
         self.grader_pool.close()
 
-    def reference_episodes(self, env_name: str, task_ids: list[str], effort: str, seed: int) -> list[dict[str, Any]]:
-        """Play the environment's reference solution: the data for the tokenizer and the SFT warm-up."""
-        out = []
+    def reference_episodes(self, env_name: str, task_ids: list[str], effort: str,
+                           seed: int) -> tuple[list[dict[str, Any]], list[str]]:
+        """Play the environment's reference solution: the data for the tokenizer and the SFT warm-up.
+        Returns the episodes and, for each task whose environment raised, one line saying what (the task
+        is left out, as a failed group is in training)."""
+        out, failures = [], []
         for task_id in task_ids:
             eid = f"ref/{env_name}/{task_id}"
-            env, sandbox = self._open(env_name, eid)
             try:
+                env, sandbox = self._open(env_name, eid)
                 messages, _ = env.reset(seed=seed, options={"task_id": task_id, "effort": effort, "sandbox": sandbox})
                 turns = []
                 for action in env.reference_actions(task_id):
@@ -237,6 +241,8 @@ class EnvWorker:
                         break
                 out.append({"task_id": task_id, "messages": messages, "turns": turns, "tools": env.tools,
                             "effort": effort})
+            except Exception as exc:  # noqa: BLE001 - a user's environment may raise anything
+                failures.append(f"{task_id}: {first_line(exc)}")
             finally:
                 self._release(eid)
-        return out
+        return out, failures

@@ -120,6 +120,21 @@ class GroupOutcome:
 
 
 @dataclass
+class EvalResult:
+    """Held-out episodes, and one line for each group left out because it failed (uid: error)."""
+
+    samples: list[Sample]
+    failed: list[str] = field(default_factory=list)
+
+    def failure_line(self) -> str | None:
+        """What the evaluation left out, for the console; None when nothing."""
+        if not self.failed:
+            return None
+        return (f"evaluation: {len(self.failed)} held-out group(s) failed and were left out of the table "
+                f"(first: {self.failed[0]})")
+
+
+@dataclass
 class BatchReport:
     """What the driver logs about a batch, without opening it."""
 
@@ -559,8 +574,8 @@ class RolloutScheduler:
                 for level in efforts for t, task in enumerate(tasks)]
 
     async def evaluate(self, envs: list[str], efforts: list[str], n_tasks: int, samples: int, temperature: float,
-                       tag: str) -> list[Sample]:
-        """Held-out episodes, every group played to completion (failed groups are left out)."""
+                       tag: str) -> EvalResult:
+        """Held-out episodes, every group played to completion (failed groups are left out, and named)."""
         await self._notice_restarts()  # the pids a fault is told by
         items = [it for env in envs for it in self.plan_eval(env, efforts, n_tasks, samples, temperature, tag)]
         room = asyncio.Semaphore(self.cfg.groups_per_worker * len(self.workers))
@@ -572,7 +587,8 @@ class RolloutScheduler:
         outcomes = await asyncio.gather(*[one(it) for it in items])
         if self.fatal is not None:
             raise WorkerLost(self.fatal)
-        return [s for o in outcomes if o.samples for s in o.samples]
+        return EvalResult([s for o in outcomes if o.samples for s in o.samples],
+                          [f"{o.item.uid} ({o.item.env}): {o.error}" for o in outcomes if not o.samples])
 
 
 def rollout_record(step: int, s: Sample, trained: bool) -> dict[str, Any]:

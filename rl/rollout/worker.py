@@ -203,6 +203,7 @@ class RolloutWorker:
         segments: list[tuple[_Segment, SequenceRecord]] = []
         append: list[int] = []
         turns, truncated, done = 0, False, False
+        unstepped: list[dict[str, str]] = []  # a turn the budget cut: in the record, never sent to the environment
         budget = _Budget(item.max_new_tokens, self.answer_reserve if getattr(self.tokenizer, "reasoning", False) else 0)
         longest = 0  # the longest turn so far: what the next one is expected to need
         while turns < start.max_turns and not done:
@@ -227,6 +228,7 @@ class RolloutWorker:
             longest = max(longest, left - budget.left)
             if not stopped and budget.left <= 0:  # cut by the budget: never stepped, graded as it stands
                 truncated = budget.cut = True
+                unstepped = [{"role": "assistant", "content": self.tokenizer.decode(tokens), "cut": "budget"}]
                 break
             with clock.phase("tools"):
                 text = self.tokenizer.canonical_action(self.tokenizer.decode(tokens))
@@ -245,7 +247,7 @@ class RolloutWorker:
             loss_mask=part.loss_mask, behavior_logprobs=part.logprobs, token_versions=part.versions,
             reward=float(end.grade.reward), passed=bool(end.grade.passed), grade_error=end.grade.error,
             grader_version=end.grade.grader_version, grade_details=end.grade.details, num_turns=turns,
-            truncated=truncated, routing=part.routing(record), transcript=end.transcript, engine=self.engine.name,
+            truncated=truncated, routing=part.routing(record), transcript=end.transcript + unstepped, engine=self.engine.name,
             segment=k, phase_s=clock.seconds, budget=budget.total, reasoning_tokens=part.reasoning,
             forced_turns=budget.forced, budget_cut=budget.cut)
             for k, (part, record) in enumerate(segments)]

@@ -19,6 +19,7 @@ moto_server = pytest.importorskip("moto.server")
 def s3(tmp_path_factory):
     """A bucket on a moto server on this machine, reached through the standard AWS environment variables."""
     import os
+    import urllib.request
 
     import s3fs
 
@@ -32,6 +33,8 @@ def s3(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     s3fs.S3FileSystem.clear_instance_cache()
+    # moto keeps buckets per process, not per server: start from none whatever ran before
+    urllib.request.urlopen(urllib.request.Request(env["AWS_ENDPOINT_URL_S3"] + "/moto-api/reset", method="POST"))
     s3fs.S3FileSystem().mkdir("ckpts")
     yield "s3://ckpts"
     for k, v in saved.items():

@@ -46,7 +46,10 @@ def s3_server():
     env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
            "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
     import s3fs
+    import urllib.request
 
+    # moto's buckets live in the process, not the server: another test's server left its own behind
+    urllib.request.urlopen(urllib.request.Request(env["AWS_ENDPOINT_URL_S3"] + "/moto-api/reset", method="POST"))
     s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL_S3"], key="test", secret="test").mkdir("ckpts")
     yield env
     server.stop()

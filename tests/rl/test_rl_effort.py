@@ -137,6 +137,8 @@ def test_a_turn_still_cut_when_the_budget_is_spent_ends_the_episode_unstepped(to
     assert [len(c) for c in engine.contexts][1] - len(engine.contexts[0]) == 8  # 12 - 4, then the reserve
     assert sample.response_tokens == 12 and sample.budget_cut and sample.truncated and sample.forced_turns == 0
     assert env.steps == [] and not sample.passed  # graded as it stands: no final answer
+    cut = sample.transcript[-1]  # the record still shows what was said
+    assert cut["role"] == "assistant" and cut["cut"] == "budget" and cut["content"].startswith("hello world")
 
 
 def test_reasoning_stays_in_the_next_turns_context_and_in_the_learners_rows(tok):

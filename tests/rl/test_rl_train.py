@@ -58,6 +58,9 @@ def test_short_run_then_resume(tmp_path, ray_session):
     output = run_cli("train", str(write_config(tmp_path)))
     run_dir = only_run(tmp_path)
     assert "Held-out reward" in output
+    # every environment played: none of its groups failed (a prompt over max_context fails its group)
+    assert "failed and were left out" not in output, output
+    assert set(json.loads((run_dir / "eval_before.json").read_text())) == {"all", "math", "tool_use", "agentic_shell"}
     assert re.search(r"rollout engines: [\d.]+ ms a step \(launching [\d.]+, waiting on the device 0\.0\), "
                      r"[\d.]+ tokens sampled a step, idle \d+% of the run ", " ".join(output.split())), output
     assert re.search(r"episodes: [\d.]+ s each on average \(starting [\d.]+, generating [\d.]+, in tools [\d.]+, "
@@ -93,9 +96,10 @@ def test_short_run_then_resume(tmp_path, ray_session):
         rec = json.loads(line)
         roles = [m["role"] for m in rec["transcript"]]
         assert roles[:3] == ["system", "user", "assistant"] and rec["task_id"] and rec["domain"]
-        assert roles.count("assistant") == rec["turns"]
+        assert roles.count("assistant") == rec["turns"]  # a turn the budget cut too: in the record, never stepped
         assert set(rec["phase_s"]) == {"start", "generate", "tools", "grade"}
-        assert rec["phase_s"]["generate"] > 0 and rec["phase_s"]["tools"] > 0  # a turn at least, a step each
+        assert rec["phase_s"]["generate"] > 0  # a turn at least, and a step for each turn the budget did not cut
+        assert rec["phase_s"]["tools"] > 0 or (rec["budget_cut"] and rec["turns"] == 1)
         assert min(rec["phase_s"].values()) >= 0
     # Resume with more steps: it continues at step 3, not from scratch.
     output = run_cli("train", "--resume", str(run_dir), "train.steps=5")

@@ -10,7 +10,7 @@ TINY = {
     ],
     "sandbox_backend": "process",
     "effort": {"budgets": {"low": 8, "medium": 12, "high": 16, "max": 24}},
-    "rollout": {"num_workers": 2, "groups_per_step": 4, "group_size": 2, "max_context": 160},
+    "rollout": {"num_workers": 2, "groups_per_step": 4, "group_size": 2, "max_context": 256},
     "train": {"steps": 3, "micro_batches": 2},
     "warmup": {"steps": 2, "batch_size": 8, "tasks_per_env": 12},
     "eval": {"tasks_per_env": 2, "efforts": ["low", "max"]},
