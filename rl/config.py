@@ -621,7 +621,7 @@ class LoggingConfig(Section):
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     wandb_project: str = "kimi-rl"  # the wandb project
     tensorboard: bool = False  # also write scalars to RUN_DIR/tensorboard (needs the tensorboard package)
-    progress: bool = True  # progress bars (false: a line per step)
+    progress: bool = True  # progress bars on a terminal (false, or output to a file or pipe: a line per step)
 
     @field_validator("tensorboard")
     @classmethod

@@ -5,12 +5,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class StepProgress:
-    def __init__(self, title: str, total: int, completed: int = 0, enabled: bool = True) -> None:
+    def __init__(self, title: str, total: int, completed: int = 0, enabled: bool = True, console=None) -> None:
         self.enabled = enabled and total > 0
         self._progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-            disable=not self.enabled,
+            disable=not self.enabled, console=console,  # the run's console: lines said print above the bar
         )
         self._task = self._progress.add_task(title, total=total, completed=completed, status="")
 

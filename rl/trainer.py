@@ -22,6 +22,7 @@ from rl.evaluation import effort_table, eval_table, summarise_eval, write_pareto
 from rl.hack_monitor import HackMonitor, responses_from_records
 from rl.metrics import MetricsLogger
 from rl.progress import StepProgress
+from rl.step_report import RunRates, skip_reason, step_line
 from rl.rollout.engine_api import EngineStats
 from rl.rollout.layout import episode_texts, reference_example, tool_fallback_warnings
 from rl.rollout.scheduler import StreamPosition, WorkerLost
@@ -50,6 +51,12 @@ class Trainer:
     def say(self, text: str) -> None:
         if self.console is not None:
             self.console.print(text)
+
+    @property
+    def bars(self) -> bool:
+        """Progress bars only on a terminal: written to a file or a pipe, a bar prints once, at the
+        end, cut to 80 columns; there each step prints a plain line instead."""
+        return self.cfg.logging.progress and self.console is not None and self.console.is_terminal
 
     def phase(self, text: str) -> None:
         """A timestamped line at each phase boundary: readable in a log, also without progress bars."""
@@ -140,13 +147,15 @@ class Trainer:
         w = self.cfg.warmup
         self.phase(f"warm-up: {w.steps} supervised steps on {len(examples)} reference episodes")
         rng = random.Random(self.cfg.seed)
-        progress = StepProgress("warm-up", w.steps, enabled=self.cfg.logging.progress)
+        progress = StepProgress("warm-up", w.steps, enabled=self.bars, console=self.console)
         with progress:
             for i in range(w.steps):
                 batch = rng.sample(examples, min(w.batch_size, len(examples)))
                 metrics = self.actors.learner.sft_step(batch, w.lr).metrics
                 progress.advance(f"loss {metrics['sft/loss']:.3f}")
                 logger.log(-w.steps + i, metrics)
+        if w.steps and not self.bars:
+            self.phase(f"warm-up: done, loss {metrics['sft/loss']:.3f}")
 
     def _evaluate(self, tag: str) -> dict[str, Any]:
         e = self.cfg.eval
@@ -356,7 +365,8 @@ class Trainer:
 
     def _train_loop(self, start_step: int, snapshot: StreamPosition, logger: MetricsLogger) -> None:
         cfg, actors = self.cfg, self.actors
-        progress = StepProgress("GRPO", cfg.train.steps, completed=start_step, enabled=cfg.logging.progress)
+        progress = StepProgress("GRPO", cfg.train.steps, completed=start_step, enabled=self.bars, console=self.console)
+        rates = RunRates()  # the end-of-training line: rates over the steps that trained
         ray.get(actors.scheduler.start_training.remote(snapshot))
         self.phase(f"GRPO: steps {start_step}..{cfg.train.steps - 1}, {cfg.rollout.groups_per_step} groups of "
                    f"{cfg.rollout.group_size} a step, max_staleness {cfg.rollout.max_staleness}")
@@ -398,6 +408,7 @@ class Trainer:
                     self.say(line)
                 logger.log(step, metrics)
                 episode_time.observe(metrics)
+                rates.observe(step, metrics, samples, tokens)
                 shaped = trained.shaped_rewards or {}
                 for record in report.records:  # the reward trained on beside the verifier's (None: not trained)
                     record["shaped_reward"] = shaped.get(record["uid"])
@@ -409,15 +420,16 @@ class Trainer:
                 self._say_problems(step, report, metrics)
                 if (step + 1) % cfg.checkpoint.every == 0 or step == cfg.train.steps - 1:
                     self._checkpoint(step)
-                if not cfg.logging.progress:  # no bar: a line per step
-                    self.phase(f"step {step}: reward {metrics['rollout/reward']:.3f}, {metrics['time/step_s']:.1f} s "
-                               f"(rollout {metrics['time/rollout_s']:.1f}, learner {metrics['time/train_s']:.1f}, "
-                               f"sync {metrics['time/sync_s']:.2f})")
+                skipped = skip_reason(metrics)
+                if not self.bars:  # no bar (a file, a pipe, logging.progress=false): a line per step
+                    self.phase(step_line(step, cfg.train.steps, metrics))
+                elif skipped:  # above the bar
+                    self.say(f"step {step}: skipped: {skipped}")
                 progress.advance(f"reward {metrics['rollout/reward']:.3f}  kl {metrics.get('train/kl', 0.0):.4f}  "
-                                 f"mismatch {metrics.get('train/mismatch', 0.0):.4f}  "
-                                 f"{metrics['throughput/samples_per_s']:.1f} samples/s")
+                                 f"mismatch {metrics.get('train/mismatch', 0.0):.4f}  " +
+                                 ("skipped" if skipped else f"{metrics['throughput/samples_per_s']:.1f} samples/s"))
         ray.get(actors.scheduler.stop_training.remote())
-        for line in (pace.summary(), episode_time.summary()):
+        for line in (rates.summary(), pace.summary(), episode_time.summary()):
             if line is not None:
                 self.phase(line)
 

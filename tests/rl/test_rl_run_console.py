@@ -1,0 +1,110 @@
+"""What a run says, end to end: `rl train` in a subprocess with its output to a pipe (not a
+terminal), on two environments registered from tests/rl/console_envs.py: `flat-lookup`, whose
+groups never carry a learning signal (its steps are skipped), and `coin-math`, scored by a coin
+(its steps train). One group a step, drawn by the seeded stream, so the run has both kinds."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests_rl_config import TINY
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+STEPS = 8
+
+
+def console_config(tmp_path: Path, **changes) -> Path:
+    tree = {**TINY, "output_dir": str(tmp_path / "runs"),
+            "envs": [{"name": "coin-math", "weight": 1.0, "kwargs": {"max_operand": 9, "n_train": 40, "n_heldout": 8}},
+                     {"name": "flat-lookup", "weight": 1.0, "kwargs": {"n_train": 40, "n_heldout": 8}}],
+            "rollout": {**TINY["rollout"], "groups_per_step": 1, "group_size": 6, "max_draws_per_step": 1.0},
+            "train": {**TINY["train"], "steps": STEPS},
+            "eval": {**TINY["eval"], "before_and_after": False},
+            "checkpoint": {"every": STEPS, "keep": 1},
+            "logging": {"wandb_mode": "offline"},  # progress bars on (the default): the output is no terminal
+            "gate": {"enabled": False},  # a grader that always gives 0 would fail it
+            **changes}
+    path = tmp_path / "console.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def register_envs(home: Path) -> None:
+    env = {**os.environ, "RL_ENVS_HOME": str(home)}
+    for cls in ("FlatLookup", "CoinMath"):
+        subprocess.run([sys.executable, "-m", "rl.cli", "env", "register", f"{HERE / 'console_envs.py'}:{cls}"],
+                       cwd=REPO, env=env, check=True, capture_output=True, timeout=120)
+
+
+def rl(args: list[str], home: Path, **kw) -> subprocess.CompletedProcess:
+    # stdout is a pipe: the console is no terminal. COLUMNS: rich would wrap long lines at 80.
+    env = {**os.environ, "RL_ENVS_HOME": str(home), "COLUMNS": "400", "WANDB_MODE": "offline",
+           "WANDB_SILENT": "false"}
+    return subprocess.run([sys.executable, "-m", "rl.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("console")
+    home = tmp_path / "envs-home"
+    register_envs(home)
+    proc = rl(["train", str(console_config(tmp_path))], home, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    metrics = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["step"] >= 0:
+            metrics[row["step"]] = row
+    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    return {"output": output, "lines": output.splitlines(), "run_dir": run_dir, "metrics": metrics,
+            "records": records, "home": home, "tmp_path": tmp_path}
+
+
+def test_a_run_to_a_pipe_prints_a_line_per_step_and_says_each_skip(run):
+    lines, metrics = run["lines"], run["metrics"]
+    assert sorted(metrics) == list(range(STEPS))
+    step_lines = {int(m.group(1)): line for line in lines
+                  if (m := re.search(rf"\] step (\d+) \((\d+)/{STEPS}\): reward ", line))}
+    assert sorted(step_lines) == list(range(STEPS)), run["output"][-4000:]
+    skipped = [s for s, m in metrics.items() if m.get("train/skipped")]
+    assert skipped and len(skipped) < STEPS, metrics  # the stream drew both environments
+    for step, line in step_lines.items():
+        domain = "flat" if any(r["domain"] == "flat" for r in run["records"] if r["step"] == step) else "coin"
+        # the reward overall and per domain, skipped or not (and why), the seconds
+        assert re.search(rf"reward [\d.]+ \({domain} [\d.]+\), ", line), line
+        assert re.search(r", [\d.]+ s \(rollout [\d.]+, learner [\d.]+, sync [\d.]+\)$", line), line
+        if step in skipped:
+            assert "skipped: no group to train on: all 1 group(s) drawn had rewards that agreed" in line, line
+        else:
+            assert "trained on 1 group(s)" in line, line
+    for step in skipped:  # every flat step is skipped
+        assert any(r["domain"] == "flat" for r in run["records"] if r["step"] == step) or \
+            len({r["reward"] for r in run["records"] if r["step"] == step}) == 1
+    # no progress bar printed once at the end, cut to 80 columns
+    assert not any("GRPO" in line and "━" in line for line in lines), run["output"][-3000:]
+
+
+def test_the_end_of_run_rates_leave_out_skipped_steps(run):
+    metrics = run["metrics"]
+    trained = [m for m in metrics.values() if not m.get("train/skipped")]
+    skipped = sorted(s for s, m in metrics.items() if m.get("train/skipped"))
+    seconds = sum(m["time/step_s"] for m in trained)
+    samples = sum(m["rollout/samples"] for m in trained)
+    (summary,) = [line for line in run["lines"] if "] GRPO: " in line and " step(s) in " in line]
+    assert f"{len(skipped)} skipped with no learning signal (step {', '.join(map(str, skipped))})" in summary, summary
+    rate = float(re.search(rf"over the {len(trained)} trained step\(s\): ([\d.]+) samples/s", summary).group(1))
+    assert rate == pytest.approx(samples / seconds, abs=0.06), summary
+    # the per-step rate of a skipped step (all rollout, no learner) is higher than any run's rate
+    counted_all = sum(m["rollout/samples"] for m in metrics.values()) / sum(m["time/step_s"] for m in metrics.values())
+    assert abs(counted_all - rate) > 0.05, (counted_all, rate)
