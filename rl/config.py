@@ -622,6 +622,9 @@ class LoggingConfig(Section):
     wandb_project: str = "kimi-rl"  # the wandb project
     tensorboard: bool = False  # also write scalars to RUN_DIR/tensorboard (needs the tensorboard package)
     progress: bool = True  # progress bars on a terminal (false, or output to a file or pipe: a line per step)
+    # a console warning when a domain's groups all had rewards that agreed (no learning signal) for
+    # this many consecutive steps in which it was played (0: never)
+    no_signal_steps: int = Field(default=5, ge=0, le=1_000_000)
 
     @field_validator("tensorboard")
     @classmethod

@@ -101,6 +101,9 @@ def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str
         out[f"{prefix}/response_tokens"] = sum(length for _, length in group) / n
         for phase in sorted({p for s, _ in group for p in s.phase_s}):  # where an episode's time went
             out[f"{prefix}/episode_s/{phase}"] = sum(s.phase_s.get(phase, 0.0) for s, _ in group) / n
+        turns = [tool_call_turns(s.transcript) for s, _ in group]
+        if sum(t for t, _ in turns):  # the share of the assistant's turns that called a tool
+            out[f"{prefix}/tool_call_rate"] = sum(c for _, c in turns) / sum(t for t, _ in turns)
     for domain, group in members.items():
         out[f"rollout/domain/{domain}/reward"] = sum(s.reward for s in group) / len(group)
         out[f"rollout/domain/{domain}/pass_rate"] = sum(s.passed for s in group) / len(group)
@@ -114,6 +117,18 @@ def rollout_metrics(samples: Iterable[Sample], current_version: int) -> dict[str
     sampled = [s for s in samples if s.weight_version >= 0]  # a sample with no generated token has no lag
     out["rollout/weight_lag"] = sum(current_version - s.weight_version for s in sampled) / max(len(sampled), 1)
     return out
+
+
+def tool_call_turns(transcript: list[dict[str, Any]]) -> tuple[int, int]:
+    """(assistant turns, those that called a tool) in an episode's transcript: a turn called a tool
+    when the environment answered it with a `tool` message (a malformed call's error included);
+    a turn the effort budget cut, never stepped, called none."""
+    turns = calls = 0
+    for i, message in enumerate(transcript):
+        if message.get("role") == "assistant":
+            turns += 1
+            calls += i + 1 < len(transcript) and transcript[i + 1].get("role") == "tool"
+    return turns, calls
 
 
 def budget_stats(samples: Iterable[Sample]) -> dict[str, float]:

@@ -103,3 +103,50 @@ class RunRates:
                  f"(first vs last {window} step(s))")
         return line
 
+
+@dataclass
+class SignalMonitor:
+    """Domains whose groups carry no learning signal: in a step, a domain has none when the rewards
+    within every one of its groups agreed (the rewards trained on: shaped, where effort shaping is
+    on), so every advantage is zero. A domain with none for `steps` consecutive steps in which it was
+    played (steps that drew none of its groups do not count either way) gets one warning line, and
+    one more when a group of it disagrees again. `steps` 0: never warns."""
+
+    steps: int = 5
+    streaks: dict[str, list[int]] = field(default_factory=dict)  # domain -> the steps of its current streak
+    scored: dict[str, set[float]] = field(default_factory=dict)  # domain -> the rewards its groups agreed on
+    warned: set[str] = field(default_factory=set)
+
+    def observe(self, step: int, records: list[dict],
+                shaped: dict[str, float] | None = None) -> tuple[dict[str, float], list[str]]:
+        """A step's rollout records (rollouts.jsonl rows, trained and dropped) and the learner's shaped
+        rewards by uid: (metrics, lines). `rollout/domain/<d>/uniform_groups`: the share of the
+        domain's groups whose rewards agreed."""
+        groups: dict[str, dict[str, set[float]]] = {}
+        for r in records:
+            reward = (shaped or {}).get(r["uid"])
+            groups.setdefault(r["domain"], {}).setdefault(r["group"], set()).add(
+                float(r["reward"] if reward is None else reward))
+        metrics: dict[str, float] = {}
+        lines: list[str] = []
+        for domain, by_group in sorted(groups.items()):
+            uniform = [rewards for rewards in by_group.values() if len(rewards) == 1]
+            if not family_member(domain):  # a family's hundreds of domains: no metric each
+                metrics[f"rollout/domain/{domain}/uniform_groups"] = len(uniform) / len(by_group)
+            streak = self.streaks.setdefault(domain, [])
+            if len(uniform) < len(by_group):
+                if domain in self.warned:
+                    self.warned.discard(domain)
+                    lines.append(f"domain {domain} has a learning signal again at step {step}")
+                streak.clear()
+                self.scored.pop(domain, None)
+                continue
+            streak.append(step)
+            values = self.scored.setdefault(domain, set())
+            values.update(v for rewards in uniform for v in rewards)
+            if self.steps and len(streak) >= self.steps and domain not in self.warned:
+                self.warned.add(domain)
+                alike = f"every group scored {min(values):g}" if len(values) == 1 else "each group's rewards agreed"
+                lines.append(f"no learning signal in domain {domain} for {len(streak)} steps (steps "
+                             f"{streak[0]}-{streak[-1]}): {alike}, so every advantage was zero")
+        return metrics, lines

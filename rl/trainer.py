@@ -22,7 +22,7 @@ from rl.evaluation import effort_table, eval_table, summarise_eval, write_pareto
 from rl.hack_monitor import HackMonitor, responses_from_records
 from rl.metrics import MetricsLogger
 from rl.progress import StepProgress
-from rl.step_report import RunRates, skip_reason, step_line
+from rl.step_report import RunRates, SignalMonitor, skip_reason, step_line
 from rl.rollout.engine_api import EngineStats
 from rl.rollout.layout import episode_texts, reference_example, tool_fallback_warnings
 from rl.rollout.scheduler import StreamPosition, WorkerLost
@@ -374,6 +374,7 @@ class Trainer:
         episode_time = _EpisodeTime()
         health = _EnvHealth(actors.env_workers)
         hacks = HackMonitor()  # its history starts again on resume: a flag needs 2 windows of this process
+        signal = SignalMonitor(cfg.logging.no_signal_steps)  # domains whose groups' rewards all agree, step after step
         release = releases_rollout_caches(cfg)
         with progress:
             for step in range(start_step, cfg.train.steps):
@@ -405,6 +406,10 @@ class Trainer:
                 if released_mb is not None:
                     metrics["memory/rollout_cache_released_mb"] = released_mb
                 for line in hack_warnings:
+                    self.say(line)
+                signal_metrics, signal_warnings = signal.observe(step, report.records, trained.shaped_rewards)
+                metrics.update(signal_metrics)
+                for line in signal_warnings:
                     self.say(line)
                 logger.log(step, metrics)
                 episode_time.observe(metrics)

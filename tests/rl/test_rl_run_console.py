@@ -29,7 +29,8 @@ def console_config(tmp_path: Path, **changes) -> Path:
             "train": {**TINY["train"], "steps": STEPS},
             "eval": {**TINY["eval"], "before_and_after": False},
             "checkpoint": {"every": STEPS, "keep": 1},
-            "logging": {"wandb_mode": "offline"},  # progress bars on (the default): the output is no terminal
+            # progress bars on (the default): the output is no terminal
+            "logging": {"wandb_mode": "offline", "no_signal_steps": 2},
             "gate": {"enabled": False},  # a grader that always gives 0 would fail it
             **changes}
     path = tmp_path / "console.yaml"
@@ -108,3 +109,58 @@ def test_the_end_of_run_rates_leave_out_skipped_steps(run):
     # the per-step rate of a skipped step (all rollout, no learner) is higher than any run's rate
     counted_all = sum(m["rollout/samples"] for m in metrics.values()) / sum(m["time/step_s"] for m in metrics.values())
     assert abs(counted_all - rate) > 0.05, (counted_all, rate)
+
+
+def tool_call_rate(records: list[dict]) -> float:
+    """Assistant turns answered by a tool message, over all assistant turns, each episode once."""
+    episodes = {r["uid"].split("@", 1)[0]: r["transcript"] for r in records}
+    turns = calls = 0
+    for transcript in episodes.values():
+        for i, m in enumerate(transcript):
+            if m["role"] == "assistant":
+                turns += 1
+                calls += i + 1 < len(transcript) and transcript[i + 1]["role"] == "tool"
+    return calls / turns
+
+
+def test_the_tool_call_rate_per_domain_is_a_metric(run):
+    flat_steps = 0
+    for step, m in run["metrics"].items():
+        records = [r for r in run["records"] if r["step"] == step]
+        (domain,) = {r["domain"] for r in records}
+        assert m[f"rollout/domain/{domain}/tool_call_rate"] == pytest.approx(tool_call_rate(records)), step
+        assert m["rollout/tool_call_rate"] == pytest.approx(tool_call_rate(records))
+        if domain == "coin":  # math has no tools
+            assert m["rollout/domain/coin/tool_call_rate"] == 0.0
+        else:
+            flat_steps += 1
+            assert m["rollout/domain/flat/uniform_groups"] == 1.0
+    assert flat_steps >= 2
+
+
+def test_a_domain_without_learning_signal_for_n_steps_is_warned_about_once(run):
+    flat = sorted(s for s in run["metrics"] if any(r["domain"] == "flat" for r in run["records"] if r["step"] == s))
+    warnings = [line for line in run["lines"] if "no learning signal in domain" in line]
+    assert warnings == [f"no learning signal in domain flat for 2 steps (steps {flat[0]}-{flat[1]}): every group "
+                        f"scored 0, so every advantage was zero"], run["output"][-3000:]
+
+
+def test_the_no_signal_warning_counts_the_steps_a_domain_is_played_and_says_when_it_comes_back():
+    from rl.step_report import SignalMonitor
+
+    def group(step, domain, rewards):
+        return [{"uid": f"{domain}{step}/{i}", "group": f"{domain}{step}", "domain": domain, "reward": r}
+                for i, r in enumerate(rewards)]
+
+    monitor = SignalMonitor(steps=3)
+    said = []
+    for step, records in enumerate([group(0, "a", [1, 1]), group(1, "b", [0, 1]), group(2, "a", [1, 1]),
+                                    group(3, "a", [0.5, 0.5]) + group(3, "a2", [0, 1]), group(4, "a", [0, 1])]):
+        metrics, lines = monitor.observe(step, records)
+        said += lines
+    assert said == ["no learning signal in domain a for 3 steps (steps 0-3): each group's rewards agreed, so every "
+                    "advantage was zero", "domain a has a learning signal again at step 4"]
+    assert metrics == {"rollout/domain/a/uniform_groups": 0.0}
+    # the rewards trained on (shaped by length) decide: a group the verifier scored alike may differ
+    assert SignalMonitor(steps=1).observe(0, group(0, "a", [1, 1]), {"a0/0": 0.9, "a0/1": 1.0})[1] == []
+    assert SignalMonitor(steps=0).observe(0, group(0, "a", [1, 1]))[1] == []
