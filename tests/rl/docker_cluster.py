@@ -73,7 +73,10 @@ class DockerCluster:
         return out.stdout.strip() == "true"
 
     def kill(self, name: str) -> None:
+        """Remove a node's container; returns once Ray no longer counts it alive (until then Ray may
+        still place an actor there: a run resumed at once could put its learner on the dead node)."""
         subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
+        self.wait_for_nodes(1 + sum(self.alive(n) for n in self.nodes))
 
     def wait_for_nodes(self, count: int, timeout_s: float = 120.0) -> None:
         probe = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
@@ -89,6 +92,6 @@ class DockerCluster:
 
     def shutdown(self) -> None:
         for name in self.nodes:
-            self.kill(name)
+            subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
         self.head.stdin.close()  # the head process shuts its cluster down and exits
         self.head.wait(120)
