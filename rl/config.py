@@ -620,6 +620,9 @@ class LoggingConfig(Section):
     # auto: online when logged in to wandb, else offline into RUN_DIR/wandb
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     wandb_project: str = "kimi-rl"  # the wandb project
+    # print wandb's own end-of-run history (a sparkline per metric) and summary; the run prints its own
+    # short summary either way
+    wandb_summary: bool = False
     tensorboard: bool = False  # also write scalars to RUN_DIR/tensorboard (needs the tensorboard package)
     progress: bool = True  # progress bars on a terminal (false, or output to a file or pipe: a line per step)
     # a console warning when a domain's groups all had rewards that agreed (no learning signal) for

@@ -70,9 +70,13 @@ class WandbSink:
         if resume and self.replays_history:
             for old in (run_dir / "wandb").glob(f"offline-run-*-{run_id}"):
                 shutil.rmtree(old, ignore_errors=True)
+        # quiet: no end-of-run history (a sparkline per metric, hundreds of lines) and summary, unless
+        # logging.wandb_summary asks (the run prints its own short summary); console off: wandb leaves
+        # the process's stdout and stderr alone (no copy into its output.log)
+        summary = bool(config.get("logging", {}).get("wandb_summary", False))
         self.run = wandb.init(project=project, name=name, id=run_id, dir=str(run_dir), mode=mode, config=config,
                               resume="allow" if resume and not self.replays_history else None,
-                              reinit="finish_previous")
+                              reinit="finish_previous", settings=wandb.Settings(quiet=not summary, console="off"))
         self._axes_defined: set[str] = set()
         for axis in (GRPO_AXIS, WARMUP_AXIS):
             self.run.define_metric(axis)

@@ -143,3 +143,20 @@ def test_a_resumed_run_is_one_unbroken_run_in_every_sink(tmp_path, monkeypatch):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("rollout/reward")] == sorted(expected.items())
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_wandbs_end_of_run_history_is_printed_only_when_asked_for(tmp_path, capfd, monkeypatch, asked):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the suite defaults to disabled
+    monkeypatch.setenv("WANDB_SILENT", "false")
+    logger = MetricsLogger(tmp_path, "offline", "pytest", "quiet", {"logging": {"wandb_summary": asked}},
+                           resume=False)
+    try:
+        for step in range(3):
+            logger.log(step, {"rollout/reward": 0.1 * step, "train/loss": 1.0})
+    finally:
+        logger.close()
+    out = capfd.readouterr()
+    said = out.out + out.err
+    assert ("Run history:" in said and "Run summary:" in said) == asked, said
+    assert "rollout/reward" not in said or asked, said

@@ -164,3 +164,12 @@ def test_the_no_signal_warning_counts_the_steps_a_domain_is_played_and_says_when
     # the rewards trained on (shaped by length) decide: a group the verifier scored alike may differ
     assert SignalMonitor(steps=1).observe(0, group(0, "a", [1, 1]), {"a0/0": 0.9, "a0/1": 1.0})[1] == []
     assert SignalMonitor(steps=0).observe(0, group(0, "a", [1, 1]))[1] == []
+
+
+def test_wandbs_end_of_run_history_is_not_printed_the_runs_own_summary_is(run):
+    output = run["output"]
+    assert "Run history:" not in output and "Run summary:" not in output, output[-3000:]
+    assert not re.search(r"wandb: +rollout/reward ", output), output[-3000:]
+    assert list(run["run_dir"].glob("wandb/offline-run-*/run-*.wandb"))  # wandb logged all the same
+    assert any("] GRPO: " in line and "trained step(s):" in line for line in run["lines"])
+
