@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import socket
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from rl.config import RunConfig
-from rl.errors import RunRefused
+from rl.errors import RunRefused, RunStopped
 from rl.integrity import read_jsonl, verify_manifest
 
 CHECKPOINTS = "checkpoints"
 STEP_LOGS = ("metrics.jsonl", "rollouts.jsonl", "moe_load.jsonl")  # one or more lines per step
+STATE = "state.json"  # the run's state: running, finished, failed, interrupted (write_state)
+RUN_STATES = ("running", "finished", "failed", "interrupted")
+SIGNAL_EXIT_CODES = (130, 143)  # a run stopped by SIGINT or SIGTERM (rl.faults.SIGNAL_EXIT)
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +109,68 @@ def _step_of(record: dict[str, Any], file: str) -> int | None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_state(run_dir: Path, state: str, **fields: Any) -> dict[str, Any]:
+    """Set the run's state in state.json, atomically (a reader sees the old file or the new one):
+    `state` one of RUN_STATES, with the fields given (e.g. `reason`, `resumed_at_step`) over those
+    already there, the time, and the process and host that wrote it (a reader on the same host can
+    tell a `running` run whose process is gone). Returns what was written."""
+    assert state in RUN_STATES, state
+    path = Path(run_dir) / STATE
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = None
+    record = dict(old) if isinstance(old, dict) else {}
+    now = time.time()
+    record.setdefault("started", now)  # when the run first started; a resume adds `resumed`
+    if state == "running":  # a new process: what the last one ended with no longer holds
+        for key in ("ended", "reason", "exit_code") + (("resumed_at_step",) if "resumed" in fields else ()):
+            record.pop(key, None)
+    else:
+        record["ended"] = now
+    record.update(fields, state=state, updated=now, pid=os.getpid(), host=socket.gethostname())
+    tmp = path.with_name(f".{STATE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    tmp.replace(path)
+    return record
+
+
+def read_state(run_dir: Path) -> dict[str, Any] | None:
+    """state.json as written by write_state; None where there is none or it does not parse."""
+    try:
+        record = json.loads((Path(run_dir) / STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def run_tracked(run_dir: Path, resume: bool, run: Callable[[], Any]) -> Any:
+    """`run()` with the run's state in state.json: running from the start (a resume adds the time it
+    resumed), then finished, or interrupted (SIGINT, SIGTERM: a RunStopped with their exit code),
+    or failed with its one line (a RunStopped for a fault, a refused run, anything raised). Writing
+    the state never hides what the run raised (a full disk may refuse it too)."""
+    def state(name: str, **fields: Any) -> None:
+        try:
+            write_state(run_dir, name, **fields)
+        except OSError as exc:
+            log.warning(f"{STATE}: not written ({exc})")
+
+    state("running", **({"resumed": time.time()} if resume else {}))
+    try:
+        result = run()
+    except RunStopped as exc:
+        state("interrupted" if exc.exit_code in SIGNAL_EXIT_CODES else "failed", reason=str(exc),
+              exit_code=exc.exit_code)
+        raise
+    except KeyboardInterrupt:
+        state("interrupted", reason="interrupted (SIGINT)", exit_code=130)
+        raise
+    except BaseException as exc:
+        lines = str(exc).strip().splitlines()
+        state("failed", reason=f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+              if not isinstance(exc, RunRefused) else str(exc), exit_code=1)
+        raise
+    state("finished")
+    return result

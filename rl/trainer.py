@@ -27,7 +27,7 @@ from rl.rollout.engine_api import EngineStats
 from rl.rollout.layout import episode_texts, reference_example, tool_fallback_warnings
 from rl.rollout.scheduler import StreamPosition, WorkerLost
 from rl.run_folder import (CHECKPOINTS, STEP_LOGS, append_jsonl, latest_checkpoint, new_run_dir, read_json,
-                           rewind_step_logs)
+                           rewind_step_logs, run_tracked, write_state)
 from rl.types import EPISODE_PHASES, env_worker_index
 from rl.weight_sync import SyncSpec
 
@@ -219,6 +219,7 @@ class Trainer:
         saved = read_json(self.run_dir / CHECKPOINTS / tag / "scheduler.json")
         # the next batch is for the step after the checkpoint's, whatever an older file says
         snapshot = replace(StreamPosition.from_dict(saved) if saved else StreamPosition(), batches_taken=step + 1)
+        write_state(self.run_dir, "running", resumed_at_step=step + 1)
         if step + 1 < self.cfg.train.steps:
             self.say(f"resumed from {tag}: continuing at step {step + 1}")
         return step + 1, snapshot
@@ -679,4 +680,5 @@ def train(config_path: str | None, overrides: list[str], resume: str | None = No
     dump_config(cfg, run_dir / "config.yaml")
     if console is not None:
         console.print(f"run folder: {run_dir}")
-    return Trainer(cfg, run_dir, resume=bool(resume), console=console).run()
+    # state.json: running, then finished / failed / interrupted (rl dashboard and rl report show it)
+    return run_tracked(run_dir, bool(resume), Trainer(cfg, run_dir, resume=bool(resume), console=console).run)

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import socket
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 from policy.effort import effort_order
 from rl.dashboard.runfolder import ROLLOUTS_TAIL_BYTES, JsonlTail, json_file, yaml_file
+from rl.run_folder import STATE
 
 RECENT_SAMPLES = 2000  # rollouts kept in memory for the sample table
 MAX_PROBLEMS = 20
@@ -22,6 +25,21 @@ def part_order(part: str) -> tuple[int, int, str]:
 def is_step(value: Any) -> bool:
     """An integer a run could have reached (charts draw steps as floats)."""
     return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**53
+
+
+def process_gone(record: dict[str, Any]) -> bool:
+    """Whether the process that wrote a state record is known to be gone: written on this host by
+    a pid that no longer exists. On another host it cannot be told: not gone."""
+    pid, host = record.get("pid"), record.get("host")
+    if not is_step(pid) or pid <= 0 or host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # someone else's process: it exists
+        return False
+    return False
 
 
 def _number(value: int | float) -> float:
@@ -128,6 +146,7 @@ class RunData:
         self.gate: dict[str, Any] = {}
         self.eval_before: dict[str, Any] | None = None
         self.eval_after: dict[str, Any] | None = None
+        self.state: dict[str, Any] | None = None  # state.json: running, finished, failed, interrupted
         self.grpo = MetricTable()  # step >= 0
         self.warmup = MetricTable()  # step < 0: the supervised warm-up's sft/* metrics
         self.moe = MoeLoad()
@@ -135,7 +154,7 @@ class RunData:
         self.problems: deque[str] = deque(maxlen=MAX_PROBLEMS)
         self._files = {"config": yaml_file(self.path / "config.yaml"), "gate": json_file(self.path / "gate.json"),
                        "eval_before": json_file(self.path / "eval_before.json"),
-                       "eval_after": json_file(self.path / "eval_after.json")}
+                       "eval_after": json_file(self.path / "eval_after.json"), "state": json_file(self.path / STATE)}
         self._metrics = JsonlTail(self.path / "metrics.jsonl")
         self._moe = JsonlTail(self.path / "moe_load.jsonl")
         self._rollouts = JsonlTail(self.path / "rollouts.jsonl", start_from_end=ROLLOUTS_TAIL_BYTES)
@@ -198,6 +217,24 @@ class RunData:
         train = self.config.get("train")
         steps = train.get("steps") if isinstance(train, dict) else None
         return steps if isinstance(steps, int) else None
+
+    def state_text(self) -> str:
+        """The run's state in words: `running`, `finished`, `failed: <its line>`, `interrupted: <its
+        line>`, each with `, resumed at step N` after a resume; a `running` run whose process is gone
+        (killed: SIGKILL, a lost machine) is `stopped`; `unknown` for a folder without a readable state.json."""
+        record = self.state
+        name = record.get("state") if isinstance(record, dict) else None
+        if not isinstance(name, str):
+            return "unknown (no readable state.json)"
+        if name == "running" and process_gone(record):
+            name = "stopped (its process is gone: killed?)"
+        resumed = record.get("resumed_at_step")
+        if is_step(resumed):
+            name += f", resumed at step {resumed}"
+        reason = record.get("reason")
+        if name.startswith(("failed", "interrupted")) and isinstance(reason, str) and reason:
+            name += f": {reason}"
+        return name
 
     def last_write(self) -> float | None:
         """When the trainer last wrote one of the files read here (seconds since the epoch)."""

@@ -64,11 +64,12 @@ def runs_panel(runs: list[RunData]) -> Panel:
         warmup = -min(run.warmup.rows) if run.warmup.rows else 0  # the first warm-up step is -steps
         held = _cell(run.eval_before, run.eval_after, "all", "all", "reward")
         written = run.last_write()
-        rows.append([run.name, str(run.path), str(cfg.get("model", {}).get("preset", "-")), envs or "-", steps,
+        rows.append([run.name, run.state_text(), str(run.path), str(cfg.get("model", {}).get("preset", "-")),
+                     envs or "-", steps,
                      str(warmup), fmt(run.grpo.window_mean("rollout/reward", PARETO_WINDOW)), held,
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written)) if written else "-",
                      "; ".join(run.problems) or "none"])
-    columns = ["run", "folder", "model", "environments / families (weight)", "GRPO steps", "warm-up steps",
+    columns = ["run", "state", "folder", "model", "environments / families (weight)", "GRPO steps", "warm-up steps",
                f"reward (last {PARETO_WINDOW} steps)", "held-out reward before -> after", "last write", "problems"]
     return Panel("runs", "Runs", tables=[Table("runs.table", "Runs", columns, rows)])
 

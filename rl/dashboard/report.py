@@ -44,7 +44,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     out_dir = out_dir or run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# Run report: {run.name}", "",
-             f"Run folder `{run_dir}`, report written {time.strftime('%Y-%m-%d %H:%M')}.", ""]
+             f"Run folder `{run_dir}`, report written {time.strftime('%Y-%m-%d %H:%M')}.", "",
+             f"State: {run.state_text()}.", ""]  # state.json: running, finished, failed, interrupted
     lines += _config_section(run) + _gate_section(run) + _eval_section(run) + _summary_section(run)
     lines += ["## Curves", ""]
     not_recorded = []

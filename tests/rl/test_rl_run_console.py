@@ -173,3 +173,96 @@ def test_wandbs_end_of_run_history_is_not_printed_the_runs_own_summary_is(run):
     assert list(run["run_dir"].glob("wandb/offline-run-*/run-*.wandb"))  # wandb logged all the same
     assert any("] GRPO: " in line and "trained step(s):" in line for line in run["lines"])
 
+
+def dashboard_row(run_dir: Path) -> dict[str, str]:
+    """The run's row of the dashboard's runs table, by column."""
+    from rl.dashboard.model import RunData
+    from rl.dashboard.panels import runs_panel
+
+    data = RunData(run_dir)
+    data.refresh(final=True)
+    (table,) = runs_panel([data]).tables
+    (row,) = table.rows
+    return dict(zip(table.columns, row))
+
+
+def report_of(run_dir: Path) -> str:
+    from typer.testing import CliRunner
+
+    from rl.cli import app
+
+    result = CliRunner().invoke(app, ["report", str(run_dir)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return (run_dir / "report" / "report.md").read_text()
+
+
+def state_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "state.json").read_text())
+
+
+def test_a_finished_run_shows_as_finished(run):
+    state = state_of(run["run_dir"])
+    assert state["state"] == "finished" and state["ended"] >= state["started"], state
+    assert dashboard_row(run["run_dir"])["state"] == "finished"
+    assert "State: finished." in report_of(run["run_dir"])
+
+
+def test_a_run_that_failed_at_start_shows_as_failed(run, tmp_path):
+    config = console_config(tmp_path, gate={"max_tasks": 1})  # neither a coin nor a constant 0 passes it
+    proc = rl(["train", str(config)], run["home"], timeout=300)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    state = state_of(run_dir)
+    assert state["state"] == "failed" and re.match(r"environment '[a-z-]+' failed the quality gate", state["reason"])
+    row = dashboard_row(run_dir)
+    assert row["state"] == f"failed: {state['reason']}" and row["GRPO steps"] == f"0 / {STEPS}"
+    assert f"State: failed: {state['reason']}." in report_of(run_dir)
+
+
+def test_an_interrupted_run_shows_as_interrupted_then_resumed(run, tmp_path):
+    import signal
+    import time
+
+    config = console_config(tmp_path, checkpoint={"every": 2, "keep": 2})
+    env = {**os.environ, "RL_ENVS_HOME": str(run["home"]), "COLUMNS": "400", "WANDB_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "-m", "rl.cli", "train", str(config)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not list((tmp_path / "runs").glob("*/checkpoints/step_1/manifest*")):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        (run_dir,) = (tmp_path / "runs").iterdir()
+        assert state_of(run_dir)["state"] == "running"
+        assert dashboard_row(run_dir)["state"] == "running"
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output[-3000:]
+    state = state_of(run_dir)
+    assert state["state"] == "interrupted" and state["reason"].startswith("interrupted (SIGINT)"), state
+    assert dashboard_row(run_dir)["state"] == f"interrupted: {state['reason']}"
+    resumed = subprocess.run([sys.executable, "-m", "rl.cli", "train", "--resume", str(run_dir)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    at = int(re.search(r"continuing at step (\d+)", resumed.stdout).group(1))
+    state = state_of(run_dir)
+    assert state["state"] == "finished" and state["resumed_at_step"] == at and "reason" not in state, state
+    assert dashboard_row(run_dir)["state"] == f"finished, resumed at step {at}"
+    assert f"State: finished, resumed at step {at}." in report_of(run_dir)
+
+
+def test_a_running_run_whose_process_is_gone_shows_as_stopped(tmp_path):
+    from rl.run_folder import write_state
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "config.yaml").write_text("name: x\n")
+    record = write_state(tmp_path, "running")
+    assert dashboard_row(tmp_path)["state"] == "running"
+    (tmp_path / "state.json").write_text(json.dumps({**record, "pid": dead.pid}))
+    assert dashboard_row(tmp_path)["state"].startswith("stopped (its process is gone")
+    (tmp_path / "state.json").write_text("{not json")
+    assert dashboard_row(tmp_path)["state"] == "unknown (no readable state.json)"
