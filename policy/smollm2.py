@@ -12,7 +12,15 @@ from pathlib import Path
 import torch
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_DIR = Path(__file__).resolve().parents[1] / ".cache" / "models" / "smollm2-135m-instruct"
+MODEL_DIR = "smollm2-135m-instruct"
+
+
+def default_dir() -> Path:
+    """Where `rl model import smollm2` writes: $RL_HOME/models/smollm2-135m-instruct (sandbox.home:
+    the checkout's .cache/models/... where RL_HOME is unset)."""
+    from sandbox.home import home_dir
+
+    return home_dir("models") / MODEL_DIR
 
 
 class ImportUnavailable(RuntimeError):
@@ -50,9 +58,9 @@ def load_gguf(path: Path):
 
 
 def import_smollm2(out: str | Path | None = None, force: bool = False) -> Path:
-    """Write the checkpoint to `out` (default .cache/models/smollm2-135m-instruct) unless it is
+    """Write the checkpoint to `out` (default $RL_HOME/models/smollm2-135m-instruct: default_dir()) unless it is
     already there; returns the directory."""
-    d = Path(out) if out is not None else DEFAULT_DIR
+    d = Path(out) if out is not None else default_dir()
     if (d / "config.json").exists() and (d / "model.safetensors").exists() and not force:
         return d
     from transformers import LlamaForCausalLM

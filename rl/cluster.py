@@ -15,23 +15,35 @@ from rl.config import RunConfig
 from rl.errors import RunRefused
 from rl.placement import Placement, check_cluster, check_custom_resources, plan_placement
 from rl.shipping import ship_dir, this_node
+from sandbox.home import home_dir
 
 REPO = Path(__file__).resolve().parents[1]
 ENV_WORKER_CPUS = 0.25
 
 
+def _inductor_default() -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR holds only what torch put there itself: importing torch._dynamo
+    (rl.config does) sets it to inductor's default in /tmp when unset, which is not a user's choice."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    set_to = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return set_to is not None and os.path.abspath(set_to) == os.path.abspath(default_cache_dir())
+
+
 def actor_env() -> dict[str, str]:
-    """Environment for every actor: single-threaded torch (many actors share few cores), caches
-    inside the checkout (unless set already), wandb off in workers. The learner picks DeepSpeed's accelerator itself,
-    from the device Ray gave it."""
+    """Environment for every actor: single-threaded torch (many actors share few cores), the compiled-
+    kernel caches under $RL_HOME (sandbox.home: the checkout's .cache where it is unset; each unless
+    set already), wandb off in workers. The learner picks DeepSpeed's accelerator itself, from the
+    device Ray gave it."""
     env = {
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
+        "TORCH_EXTENSIONS_DIR": str(home_dir("torch_extensions", "TORCH_EXTENSIONS_DIR")),
         # what torch.compile and Triton generate (the fused ops, fla's tuned kernels), kept for the next
         # run: on an H200 the learner's first step compiled in 77 s with inductor's cache, 164 s without
-        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "torchinductor")),
-        "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", str(REPO / ".cache" / "triton")),
+        "TORCHINDUCTOR_CACHE_DIR": str(home_dir("torchinductor",
+                                                None if _inductor_default() else "TORCHINDUCTOR_CACHE_DIR")),
+        "TRITON_CACHE_DIR": str(home_dir("triton", "TRITON_CACHE_DIR")),
         "WANDB_MODE": "disabled",
         "TOKENIZERS_PARALLELISM": "false",
     }
@@ -47,7 +59,7 @@ def start_ray(cfg: RunConfig) -> bool:
         join_cluster(cfg.ray.address)
         started = False
     else:
-        temp_dir = cfg.ray.temp_dir or str(REPO / ".cache" / "ray")
+        temp_dir = cfg.ray.temp_dir or str(home_dir("ray"))  # $RL_HOME/ray
         # address="local": a new cluster of our own, never one a `ray start` left on this machine
         ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
                  log_to_driver=False, _temp_dir=temp_dir, configure_logging=False,

@@ -124,7 +124,7 @@ class Section(BaseModel):
 class RayConfig(Section):
     address: str | None = None  # None: start a local cluster; "auto" or "ray://host:port": join one
     num_cpus: int | None = Field(default=None, ge=1, le=MAX_CPUS)  # a local cluster's CPUs (None: the machine's)
-    temp_dir: str | None = None  # defaults to <repo>/.cache/ray for a local cluster
+    temp_dir: str | None = None  # a local cluster's: defaults to $RL_HOME/ray (RL_HOME unset: <repo>/.cache/ray)
     # whether every node reads the driver's paths (a shared filesystem, or the same container image):
     # false sends the directories actors need (tokenizer, model) through Ray's object store and brings
     # the learner's checkpoint files back to the driver's node (rl/shipping.py)

@@ -21,12 +21,15 @@ from typing import Any, Callable, Iterator
 
 from .base import SandboxError
 from .docker_backend import DEFAULT_IMAGE
+from .home import home_dir
 from .spec import SandboxSpec
 
 BASE_IMAGE = DEFAULT_IMAGE  # RL_SANDBOX_IMAGE overrides it (tests use a throwaway tag that way)
 SUITE = "bookworm"
 MIRROR = os.environ.get("RL_SANDBOX_MIRROR", "http://deb.debian.org/debian")
-ROOTFS_CACHE = Path(os.environ.get("RL_SANDBOX_ROOTFS", Path.home() / ".cache" / "rl-sandbox" / "rootfs"))
+# $RL_SANDBOX_ROOTFS, else $RL_HOME/sandbox-rootfs, else ~/.cache/rl-sandbox/rootfs (sandbox/home.py)
+ROOTFS_CACHE = (home_dir("sandbox-rootfs", "RL_SANDBOX_ROOTFS") if os.environ.get("RL_HOME")
+                else Path(os.environ.get("RL_SANDBOX_ROOTFS", Path.home() / ".cache" / "rl-sandbox" / "rootfs")))
 _SETUP = (
     "set -e; groupadd -g 1000 sandbox; useradd -u 1000 -g 1000 -d /work -M -s /bin/sh sandbox;"
     "mkdir -p /work /run/rl; chown 1000:1000 /work; chmod 0755 /work;"
