@@ -7,6 +7,11 @@ post-step hook, and a state_dict with transformers' own (runtime) parameter name
     out = policy(ids, return_token_logprobs=True, logit_scale=1 / T)   # out.token_logprobs [B, T]
     checkpoint_state_dict(policy.state_dict(), policy.hf.config)         # names a HF/vLLM loader reads
 
+A packed row (the learner's micro-batch) whose neighbouring sequences begin alike, as a GRPO group's
+samples begin with their prompt, runs that prefix once (`PrefixTree`): every token keeps its position
+and sees what it saw in its own sequence, so logprobs and gradients are the unshared row's, for
+fewer tokens through the model (on configs/vllm_cpu.yaml's batches: 35-token prompts shared by 8).
+
 Transformers 5 fuses some tensors at load time (MoE experts into one [E, ...] tensor):
 `checkpoint_state_dict` reverts that, giving the names on disk, which vLLM's loaders read."""
 from __future__ import annotations
