@@ -6,6 +6,7 @@ import json
 import random
 import shutil
 import time
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from rl.config import ConfigError, RunConfig, dump_config, load_config
 from rl.errors import RunRefused, RunStopped
 from rl.faults import StopOnSignal, actor_death, first_line, innermost, no_space, stop_line
 from rl.evaluation import effort_table, eval_table, summarise_eval, write_pareto
+from rl.gpu_busy import GpuBusy
 from rl.hack_monitor import HackMonitor, responses_from_records
 from rl.metrics import MetricsLogger
 from rl.progress import StepProgress
@@ -377,7 +379,7 @@ class Trainer:
         hacks = HackMonitor()  # its history starts again on resume: a flag needs 2 windows of this process
         signal = SignalMonitor(cfg.logging.no_signal_steps)  # domains whose groups' rewards all agree, step after step
         release = releases_rollout_caches(cfg)
-        with progress:
+        with progress, closing(GpuBusy.start()) as busy:  # NVML sampled in a thread; reads {} without a GPU
             for step in range(start_step, cfg.train.steps):
                 self._signals.check()
                 self._where = f"at step {step}"
@@ -401,6 +403,7 @@ class Trainer:
                     "weights/version": float(step + 1),
                     **health.metrics(),
                     **pace.metrics(),
+                    **busy.step(t0, t1, t2, t3),  # gpu/busy_frac: kernel time over the step's wall time
                 })
                 hack_metrics, hack_warnings = hacks.observe(step, responses_from_records(report.records))
                 metrics.update(hack_metrics)

@@ -136,8 +136,10 @@ def throughput_panel(runs: list[RunData]) -> Panel:
         lines_chart("throughput.time_split", "Time per step: rollout / learner / weight sync", "seconds", runs,
                     [("rollout", "time/rollout_s"), ("learner", "time/train_s"), ("weight sync", "time/sync_s")],
                     stacked=True),
-        lines_chart("throughput.idle", "Idle fraction", "fraction of the step", runs,
-                    [("learner idle", "time/learner_idle_frac"), ("rollout idle", "time/rollout_idle_frac")],
+        # GPU busy: NVML's kernel-time fraction over the step (rl/gpu_busy.py; GPU runs only)
+        lines_chart("throughput.idle", "Idle fraction, and the GPU's busy fraction", "fraction of the step", runs,
+                    [("learner idle", "time/learner_idle_frac"), ("rollout idle", "time/rollout_idle_frac"),
+                     ("GPU busy", "gpu/busy_frac")],
                     y_range=(0, 1)),
         # small batches with an idle engine: rollout waits on the episodes; big batches with a busy
         # engine: on the engine's step time
