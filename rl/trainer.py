@@ -73,9 +73,16 @@ class Trainer:
         for entry in self.cfg.envs:
             worker = env_workers[env_worker_index(entry.name, len(env_workers))]
             ids = ray.get(worker.task_ids.remote(entry.name, "train"))[:per_env]
-            parts = [worker.reference_episodes.remote(entry.name, ids[i::len(levels)], level, self.cfg.seed)
-                     for i, level in enumerate(levels)]
-            out[entry.name] = [ep for part in ray.get(parts) for ep in part]
+            parts = ray.get([worker.reference_episodes.remote(entry.name, ids[i::len(levels)], level, self.cfg.seed)
+                             for i, level in enumerate(levels)])
+            out[entry.name] = [ep for episodes, _ in parts for ep in episodes]
+            failures = [line for _, failed in parts for line in failed]
+            if failures:
+                self.say(f"{entry.name}: {len(failures)} of {len(ids)} reference episode(s) raised and were left out "
+                         f"of the tokenizer and the warm-up (first: {failures[0]})")
+            if not out[entry.name]:
+                raise RuntimeError(f"environment {entry.name!r}: every reference episode raised "
+                                   f"(first: {failures[0] if failures else 'no tasks'})")
         return out
 
     def _tokenizer(self, episodes: dict[str, list[dict[str, Any]]]):
@@ -164,9 +171,11 @@ class Trainer:
         envs = [entry.name for entry in self.cfg.envs]
         self.phase(f"evaluating ({tag}): {e.tasks_per_env} held-out tasks x {len(e.efforts)} effort levels x "
                    f"{e.samples_per_task} samples per environment")
-        samples = ray.get(self.actors.scheduler.evaluate.remote(envs, e.efforts, e.tasks_per_env,
-                                                                e.samples_per_task, e.temperature, tag))
-        summary = summarise_eval(samples)
+        result = ray.get(self.actors.scheduler.evaluate.remote(envs, e.efforts, e.tasks_per_env,
+                                                               e.samples_per_task, e.temperature, tag))
+        if result.failure_line():
+            self.say(result.failure_line())
+        summary = summarise_eval(result.samples)
         (self.run_dir / f"eval_{tag}.json").write_text(json.dumps(summary, indent=1))
         return summary
 
