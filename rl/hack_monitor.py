@@ -26,6 +26,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from rl.types import RolloutRecord
+
 
 @dataclass(frozen=True)
 class Response:
@@ -135,7 +137,7 @@ class HackMonitor:
         return None
 
 
-def responses_from_records(records: Iterable[dict]) -> list[Response]:
+def responses_from_records(records: Iterable[RolloutRecord]) -> list[Response]:
     """One Response per episode from a step's rollout records (`rollouts.jsonl` rows): the text is
     the episode's last assistant message, where its final answer is; segments of one episode count once."""
     by_episode: dict[str, Response] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rl.metrics import family_member
+from rl.types import RolloutRecord
 
 MAX_DOMAINS_SHOWN = 4  # a step line names at most this many domains' rewards, else their count
 
@@ -117,7 +118,7 @@ class SignalMonitor:
     scored: dict[str, set[float]] = field(default_factory=dict)  # domain -> the rewards its groups agreed on
     warned: set[str] = field(default_factory=set)
 
-    def observe(self, step: int, records: list[dict],
+    def observe(self, step: int, records: list[RolloutRecord],
                 shaped: dict[str, float] | None = None) -> tuple[dict[str, float], list[str]]:
         """A step's rollout records (rollouts.jsonl rows, trained and dropped) and the learner's shaped
         rewards by uid: (metrics, lines). `rollout/domain/<d>/uniform_groups`: the share of the

@@ -26,7 +26,7 @@ from rl.metrics import MetricsLogger
 from rl.progress import StepProgress
 from rl.step_report import RunRates, SignalMonitor, skip_reason, step_line
 from rl.rollout.layout import episode_texts, reference_example, tool_fallback_warnings
-from rl.rollout.scheduler import StreamPosition, WorkerLost
+from rl.rollout.scheduler import BatchReport, StreamPosition, WorkerLost
 from rl.run_folder import (CHECKPOINTS, STEP_LOGS, append_jsonl, latest_checkpoint, new_run_dir, read_json,
                            rewind_step_logs, run_tracked, write_state)
 from rl.telemetry import EnginePace, EnvHealth, EpisodeTime
@@ -480,7 +480,7 @@ class Trainer:
                              f"restarting it, on a node with room for it (a lost node's workers wait for one to join)")
         return ray.get(ref)
 
-    def _say_problems(self, step: int, report, metrics: dict[str, float]) -> None:
+    def _say_problems(self, step: int, report: BatchReport, metrics: dict[str, float]) -> None:
         """Worker restarts, grader actors replaced, failed groups and ungraded samples are said on
         the console, not only logged."""
         for line in report.faults:

@@ -12,6 +12,7 @@ from typing import Any
 from policy.effort import effort_order
 from rl.dashboard.runfolder import ROLLOUTS_TAIL_BYTES, JsonlTail, json_file, yaml_file
 from rl.run_folder import STATE
+from rl.types import RolloutRecord
 
 RECENT_SAMPLES = 2000  # rollouts kept in memory for the sample table
 MAX_PROBLEMS = 20
@@ -150,7 +151,7 @@ class RunData:
         self.grpo = MetricTable()  # step >= 0
         self.warmup = MetricTable()  # step < 0: the supervised warm-up's sft/* metrics
         self.moe = MoeLoad()
-        self.samples: deque[dict[str, Any]] = deque(maxlen=RECENT_SAMPLES)
+        self.samples: deque[RolloutRecord] = deque(maxlen=RECENT_SAMPLES)  # rollouts.jsonl's last lines
         self.problems: deque[str] = deque(maxlen=MAX_PROBLEMS)
         self._files = {"config": yaml_file(self.path / "config.yaml"), "gate": json_file(self.path / "gate.json"),
                        "eval_before": json_file(self.path / "eval_before.json"),
@@ -196,7 +197,8 @@ class RunData:
         self.grpo.clear()
         self.warmup.clear()
 
-    def _add_sample(self, record: dict[str, Any]) -> None:
+    def _add_sample(self, record: RolloutRecord) -> None:
+        # as read from the file: the views read it with .get, an older run's lines may lack a key
         if not isinstance(record.get("transcript", []), list):
             self._problem("rollouts.jsonl: a sample's transcript is not a list of messages; skipped")
             return

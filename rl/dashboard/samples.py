@@ -7,6 +7,7 @@ from typing import Any
 
 from rl.dashboard.model import RunData
 from rl.metrics import family_of
+from rl.types import RolloutRecord
 
 MAX_ROWS = 500
 GRADE_CHARS = 160
@@ -43,7 +44,7 @@ class SampleQuery:
         return cls(params.get("run", ""), params.get("family", ""), params.get("domain", ""), params.get("effort", ""),
                    number("min_reward"), number("max_reward"), int(limit or cls.limit))
 
-    def matches(self, run: str, record: dict[str, Any]) -> bool:
+    def matches(self, run: str, record: RolloutRecord) -> bool:
         reward = record.get("reward")
         reward = reward if isinstance(reward, (int, float)) else None
         return ((not self.run or run == self.run)
@@ -58,7 +59,7 @@ def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def summary(run: str, record: dict[str, Any]) -> dict[str, Any]:
+def summary(run: str, record: RolloutRecord) -> dict[str, Any]:
     """One table row: what the sample was asked, how it went, which weights produced it."""
     transcript = record.get("transcript") or []
     prompt = next((m.get("content", "") for m in transcript if isinstance(m, dict) and m.get("role") == "user"), "")
@@ -83,7 +84,7 @@ def find_samples(runs: list[RunData], query: SampleQuery) -> dict[str, Any]:
     return {"total": len(matched), "rows": [summary(name, rec) for name, rec in matched[: query.limit]]}
 
 
-def find_sample(runs: list[RunData], run: str, uid: str) -> dict[str, Any] | None:
+def find_sample(runs: list[RunData], run: str, uid: str) -> RolloutRecord | None:
     """A whole sample (transcript, grade details) by run and uid; the newest when a uid repeats."""
     for data in runs:
         if data.name == run:

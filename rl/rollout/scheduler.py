@@ -41,7 +41,7 @@ from rl.shaping import shape_rewards
 from rl.rollout.adaptive import AdaptiveWeights, distribution, draw
 from rl.rollout.env_worker import EpisodeLost
 from rl.rollout.worker import NoWeightsError
-from rl.types import RolloutBatch, Sample, WorkItem, env_worker_index
+from rl.types import RolloutBatch, RolloutRecord, Sample, WorkItem, env_worker_index
 
 WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
 RESTART_TIMEOUT_S = 300.0  # a worker Ray restarts must answer again within this
@@ -141,7 +141,7 @@ class BatchReport:
     step: int
     groups: int
     metrics: dict[str, float]
-    records: list[dict[str, Any]]  # one per sample, for rollouts.jsonl
+    records: list[RolloutRecord]  # one per sample, for rollouts.jsonl
     errors: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)  # workers that died since the last batch, one line each
 
@@ -591,7 +591,7 @@ class RolloutScheduler:
                           [f"{o.item.uid} ({o.item.env}): {o.error}" for o in outcomes if not o.samples])
 
 
-def rollout_record(step: int, s: Sample, trained: bool) -> dict[str, Any]:
+def rollout_record(step: int, s: Sample, trained: bool) -> RolloutRecord:
     """One line of rollouts.jsonl: what the sample was asked, what it did, how it was graded, and
     whether the learner trained on it (a group whose rewards all agree is dropped)."""
     return {"step": step, "uid": s.uid, "group": s.group_uid, "trained": trained, "env": s.env, "domain": s.domain,
