@@ -15,8 +15,7 @@ from pathlib import Path
 
 from rl.errors import RunRefused
 from rl.integrity import MANIFEST, verify_manifest
-
-LATEST = "latest"
+from rl.run_folder import LATEST
 
 
 class CheckpointMirror:

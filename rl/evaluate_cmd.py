@@ -16,7 +16,7 @@ from rl.evaluation import effort_table, eval_table, summarise_eval, write_pareto
 from rl.errors import RunRefused
 from rl.integrity import verify_manifest
 from rl.rollout.layout import tool_fallback_warnings
-from rl.run_folder import is_checkpoint_dir
+from rl.run_folder import CHECKPOINT_HF, TOKENIZER, is_checkpoint_dir
 from rl.trainer import _check_environments
 
 
@@ -24,13 +24,13 @@ def resolve_checkpoint(path: str) -> Path:
     """Accept a save_pretrained folder or a training checkpoint folder (which holds one in hf/),
     if it is whole: see check_whole."""
     root = Path(path)
-    for candidate in (root, root / "hf"):
+    for candidate in (root, root / CHECKPOINT_HF):
         if (candidate / "config.json").exists():
-            if not (candidate / "tokenizer").exists():
-                raise RunRefused(f"--checkpoint: {candidate} has no tokenizer/ folder")
+            if not (candidate / TOKENIZER).exists():
+                raise RunRefused(f"--checkpoint: {candidate} has no {TOKENIZER}/ folder")
             check_whole(candidate)
             return candidate
-    raise RunRefused(f"--checkpoint: no config.json in {root} or {root / 'hf'}")
+    raise RunRefused(f"--checkpoint: no config.json in {root} or {root / CHECKPOINT_HF}")
 
 
 def check_whole(model_dir: Path) -> None:
@@ -39,7 +39,7 @@ def check_whole(model_dir: Path) -> None:
     from policy.checkpoint import check_safetensors
 
     checkpoint = model_dir.resolve().parent
-    if model_dir.name == "hf" and is_checkpoint_dir(checkpoint):
+    if model_dir.name == CHECKPOINT_HF and is_checkpoint_dir(checkpoint):
         problem = verify_manifest(checkpoint)
         if problem is not None:
             raise RunRefused(f"--checkpoint: {checkpoint} is torn: {problem}")
@@ -89,7 +89,7 @@ def evaluate_checkpoint(config_path: str, checkpoint: str | None, overrides: lis
 
             checkpoint = str(fetch_checkpoint(checkpoint, Path(tempfile.mkdtemp(prefix="rl-eval-"))))
         model_dir = resolve_checkpoint(checkpoint)
-        tok_dir = model_dir / "tokenizer"
+        tok_dir = model_dir / TOKENIZER
         tok = load_tokenizer(str(tok_dir))
         label, run_id = checkpoint, f"eval-{model_dir.parent.name}-{model_dir.name}"
         default_out = model_dir / "eval.json"

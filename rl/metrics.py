@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
+from rl.run_folder import METRICS
 from rl.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink, wandb_mode
 from rl.types import Sample, episodes
 
@@ -18,7 +19,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict[str, Any],
                  resume: bool) -> None:
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS
         self.mode = wandb_mode(mode)
         self.sinks: list[Sink] = [JsonlSink(self.path)]
         fresh: list[Sink] = []  # sinks that start over on resume: they get the history first
@@ -57,7 +58,7 @@ def charted(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -9,15 +9,31 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from rl.config import RunConfig
 from rl.errors import RunRefused, RunStopped
 from rl.integrity import read_jsonl, verify_manifest
 
-CHECKPOINTS = "checkpoints"
-STEP_LOGS = ("metrics.jsonl", "rollouts.jsonl", "moe_load.jsonl")  # one or more lines per step
+if TYPE_CHECKING:  # the file names below are imported by light readers (the dashboard, the learner)
+    from rl.config import RunConfig
+
+# The run folder's files and folders, named here once: every writer and reader imports these
+# (docs/run-folder.md says what each holds).
+CONFIG = "config.yaml"  # the resolved config (rl.config.dump_config); --resume reads it
+TOKENIZER = "tokenizer"  # the tokenizer folder, in the run folder and in each checkpoint's hf/
+GATE = "gate.json"  # the quality gate's reports
+METRICS = "metrics.jsonl"  # a line of metrics per step (warm-up steps negative)
+ROLLOUTS = "rollouts.jsonl"  # a line per sample played (rl.types.RolloutRecord)
+MOE_LOAD = "moe_load.jsonl"  # the experts' load per MoE layer, a line per step
+STEP_LOGS = (METRICS, ROLLOUTS, MOE_LOAD)  # one or more lines per step
+EVAL_BEFORE = "eval_before.json"  # the held-out evaluation before RL
+EVAL_AFTER = "eval_after.json"  # ... and after
+EFFORT_PARETO = "effort_pareto.json"  # accuracy against tokens per effort level; its chart beside it (.png)
 STATE = "state.json"  # the run's state: running, finished, failed, interrupted (write_state)
+CHECKPOINTS = "checkpoints"  # checkpoints/step_N/, one per saved step
+LATEST = "latest"  # checkpoints/latest: the newest step_N's name (also in a checkpoint.dir mirror)
+CHECKPOINT_HF = "hf"  # checkpoints/step_N/hf/: the policy as a save_pretrained folder, its tokenizer/ inside
+SCHEDULER = "scheduler.json"  # checkpoints/step_N/scheduler.json: the stream's position (StreamPosition)
 RUN_STATES = ("running", "finished", "failed", "interrupted")
 SIGNAL_EXIT_CODES = (130, 143)  # a run stopped by SIGINT or SIGTERM (rl.faults.SIGNAL_EXIT)
 
@@ -63,10 +79,10 @@ def _whole_checkpoint(run_dir: Path) -> tuple[tuple[str, int] | None, list[str]]
     root = run_dir / CHECKPOINTS
     steps = sorted((int(p.name[5:]), p.name) for p in root.glob("step_*") if p.is_dir() and is_checkpoint_dir(p))
     passed_over = []
-    marker = root / "latest"
+    marker = root / LATEST
     named = marker.read_text(errors="replace").strip() if marker.is_file() else None
     if named is not None and named not in {tag for _, tag in steps}:
-        passed_over.append(f"{CHECKPOINTS}/latest names {named[:40]!r}, which is not there")
+        passed_over.append(f"{CHECKPOINTS}/{LATEST} names {named[:40]!r}, which is not there")
     for step, tag in reversed(steps):
         problem = verify_manifest(root / tag)
         if problem is None:

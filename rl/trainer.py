@@ -27,8 +27,9 @@ from rl.progress import StepProgress
 from rl.step_report import RunRates, SignalMonitor, skip_reason, step_line
 from rl.rollout.layout import episode_texts, reference_example, tool_fallback_warnings
 from rl.rollout.scheduler import BatchReport, StreamPosition, WorkerLost
-from rl.run_folder import (CHECKPOINTS, STEP_LOGS, append_jsonl, latest_checkpoint, new_run_dir, read_json,
-                           rewind_step_logs, run_tracked, write_state)
+from rl.run_folder import (CHECKPOINT_HF, CHECKPOINTS, CONFIG, EFFORT_PARETO, EVAL_AFTER, EVAL_BEFORE, GATE, LATEST,
+                           MOE_LOAD, ROLLOUTS, SCHEDULER, STEP_LOGS, TOKENIZER, append_jsonl, latest_checkpoint,
+                           new_run_dir, read_json, rewind_step_logs, run_tracked, write_state)
 from rl.telemetry import EnginePace, EnvHealth, EpisodeTime
 from rl.types import env_worker_index
 from rl.weight_sync import SyncSpec
@@ -90,7 +91,7 @@ class Trainer:
         text; saved in the run folder either way (the rollout workers load it from there)."""
         from policy import HFChatTokenizer, Tokenizer, load_tokenizer
 
-        tok_dir = self.run_dir / "tokenizer"
+        tok_dir = self.run_dir / TOKENIZER
         if tok_dir.exists():
             return load_tokenizer(str(tok_dir))
         if self.cfg.model.hf_path:
@@ -124,14 +125,14 @@ class Trainer:
         started = time.monotonic()
         reports = check_all(checks, gate.max_tasks, gate.workers or self.cfg.rollout.env_workers,
                             default_cache() if gate.cache else None, said)
-        (self.run_dir / "gate.json").write_text(json.dumps(reports, indent=1))
+        (self.run_dir / GATE).write_text(json.dumps(reports, indent=1))
         failed = [name for name in names if not reports[name]["ok"]]
         cached = sum(1 for r in reports.values() if r.get("cached"))
         self.phase(f"quality gate: {len(names) - len(failed)}/{len(names)} environments passed "
                    f"({cached} from the cache) in {time.monotonic() - started:.1f} s")
         if failed and not gate.allow_failing:
             reason = "; ".join(reports[failed[0]].get("reasons", []))
-            more = f" (and {len(failed) - 1} more: see gate.json)" if len(failed) > 1 else ""
+            more = f" (and {len(failed) - 1} more: see {GATE})" if len(failed) > 1 else ""
             raise RunRefused(f"environment {failed[0]!r} failed the quality gate ({reason}){more}; "
                              f"fix it or set gate.allow_failing=true")
 
@@ -176,7 +177,7 @@ class Trainer:
         if result.failure_line():
             self.say(result.failure_line())
         summary = summarise_eval(result.samples)
-        (self.run_dir / f"eval_{tag}.json").write_text(json.dumps(summary, indent=1))
+        (self.run_dir / {"before": EVAL_BEFORE, "after": EVAL_AFTER}[tag]).write_text(json.dumps(summary, indent=1))
         return summary
 
     def _save(self, step: int) -> None:
@@ -187,12 +188,12 @@ class Trainer:
         # a step saved again is not whole until its new manifest is written
         (ckpt_root / tag / MANIFEST).unlink(missing_ok=True)
         self.actors.learner.save(str(ckpt_root), tag, {"step": step})
-        shutil.copytree(self.run_dir / "tokenizer", ckpt_root / tag / "hf" / "tokenizer", dirs_exist_ok=True)
+        shutil.copytree(self.run_dir / TOKENIZER, ckpt_root / tag / CHECKPOINT_HF / TOKENIZER, dirs_exist_ok=True)
         # the stream's position and the groups issued but not trained on: a resumed run plays them again
         snapshot = ray.get(self.actors.scheduler.snapshot.remote())
-        (ckpt_root / tag / "scheduler.json").write_text(json.dumps(snapshot.to_dict()))
+        (ckpt_root / tag / SCHEDULER).write_text(json.dumps(snapshot.to_dict()))
         write_manifest(ckpt_root / tag)  # last: every file of the checkpoint is on disk
-        (ckpt_root / "latest").write_text(tag)
+        (ckpt_root / LATEST).write_text(tag)
         tags = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
         for old in tags[: -self.cfg.checkpoint.keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -213,7 +214,7 @@ class Trainer:
         for line in passed_over:
             self.say(line)
         if tag is not None and (local is None or int(tag[5:]) > local[1]):
-            (self.run_dir / CHECKPOINTS / "latest").write_text(tag)
+            (self.run_dir / CHECKPOINTS / LATEST).write_text(tag)
             self.say(f"{CHECKPOINTS}/{tag} fetched from {self.mirror.where(tag)}")
 
     def _restore(self) -> tuple[int, dict[str, Any]] | None:
@@ -227,7 +228,7 @@ class Trainer:
             return None
         tag, step = found
         self.actors.learner.load(str(self.run_dir / CHECKPOINTS), tag)
-        saved = read_json(self.run_dir / CHECKPOINTS / tag / "scheduler.json")
+        saved = read_json(self.run_dir / CHECKPOINTS / tag / SCHEDULER)
         # the next batch is for the step after the checkpoint's, whatever an older file says
         snapshot = replace(StreamPosition.from_dict(saved) if saved else StreamPosition(), batches_taken=step + 1)
         write_state(self.run_dir, "running", resumed_at_step=step + 1)
@@ -244,7 +245,7 @@ class Trainer:
         try:
             self._started_ray = start_ray(cfg)
             signals.install()  # ray.init put its own SIGTERM handler in place
-            if not (self.resume and (self.run_dir / "gate.json").exists()):
+            if not (self.resume and (self.run_dir / GATE).exists()):
                 self._where = "during the quality gate"
                 self._gate()
             self._where = "during set-up"
@@ -253,9 +254,9 @@ class Trainer:
                 self._fetch_newer_from_mirror()
             resuming = self.resume and latest_checkpoint(self.run_dir) is not None
             if self.resume and not resuming:  # it stopped before its first checkpoint: it starts again
-                for name in (*STEP_LOGS, "eval_before.json"):
+                for name in (*STEP_LOGS, EVAL_BEFORE):
                     (self.run_dir / name).unlink(missing_ok=True)
-            tok_ready = (self.run_dir / "tokenizer").exists()
+            tok_ready = (self.run_dir / TOKENIZER).exists()
             # Reference episodes train the tokenizer and feed the warm-up; a resumed run needs neither.
             episodes = {} if resuming and tok_ready else self._reference_episodes(self._env_workers,
                                                                                    cfg.warmup.tasks_per_env)
@@ -263,7 +264,7 @@ class Trainer:
             for line in tool_fallback_warnings(tok, {name: eps[0]["tools"] for name, eps in episodes.items() if eps}):
                 self.say(line)
             spec = model_spec(cfg, tok.vocab_size)
-            self.actors = start_policy_side(cfg, self.run_id, spec, str(self.run_dir / "tokenizer"), tok.pad_id,
+            self.actors = start_policy_side(cfg, self.run_id, spec, str(self.run_dir / TOKENIZER), tok.pad_id,
                                             self._env_workers)
             for line in self.actors.learner.startup_notes():
                 self.say(line)
@@ -272,10 +273,10 @@ class Trainer:
             logger = MetricsLogger(self.run_dir, cfg.logging.wandb_mode, cfg.logging.wandb_project, self.run_id,
                                    cfg.model_dump(mode="json"), resume=self.resume)
             restored = self._restore()
-            before = read_json(self.run_dir / "eval_before.json")
+            before = read_json(self.run_dir / EVAL_BEFORE)
             if restored:
                 start_step, snapshot = restored
-                finished = read_json(self.run_dir / "eval_after.json")
+                finished = read_json(self.run_dir / EVAL_AFTER)
                 if start_step >= cfg.train.steps and (finished is not None or not cfg.eval.before_and_after):
                     self.say(f"the run already finished its {cfg.train.steps} steps; nothing to do "
                              f"(pass train.steps=N to train further)")
@@ -301,7 +302,7 @@ class Trainer:
             self._print_tables(before, after)
             if after is not None:
                 files = write_pareto({"before RL": before, "after RL": after} if before else {"after RL": after},
-                                     self.run_dir / "effort_pareto.json", f"{cfg.name}: held-out, per effort level")
+                                     self.run_dir / EFFORT_PARETO, f"{cfg.name}: held-out, per effort level")
                 self.say(f"effort Pareto (accuracy against tokens used): {', '.join(str(f) for f in files)}")
             return {"run_dir": str(self.run_dir), "before": before, "after": after, "steps": cfg.train.steps}
         except RunStopped:
@@ -430,10 +431,10 @@ class Trainer:
                 shaped = trained.shaped_rewards or {}
                 for record in report.records:  # the reward trained on beside the verifier's (None: not trained)
                     record["shaped_reward"] = shaped.get(record["uid"])
-                append_jsonl(self.run_dir / "rollouts.jsonl", report.records)
+                append_jsonl(self.run_dir / ROLLOUTS, report.records)
                 if trained.moe_load:
                     layers = sorted(trained.moe_load)
-                    append_jsonl(self.run_dir / "moe_load.jsonl", [
+                    append_jsonl(self.run_dir / MOE_LOAD, [
                         {"step": step, "layers": layers, "load": [trained.moe_load[i] for i in layers]}])
                 self._say_problems(step, report, metrics)
                 if (step + 1) % cfg.checkpoint.every == 0 or step == cfg.train.steps - 1:
@@ -539,9 +540,9 @@ def train(config_path: str | None, overrides: list[str], resume: str | None = No
     """Entry point shared by the CLI and tests: the config and its environments are checked before Ray starts."""
     if resume:
         run_dir = Path(resume)
-        saved = run_dir / "config.yaml"
+        saved = run_dir / CONFIG
         if not saved.exists():
-            raise RunRefused(f"--resume: {run_dir} has no config.yaml (is it a run folder?)")
+            raise RunRefused(f"--resume: {run_dir} has no {CONFIG} (is it a run folder?)")
         cfg = load_config(saved, overrides)
     else:
         if config_path is None:
@@ -557,7 +558,7 @@ def train(config_path: str | None, overrides: list[str], resume: str | None = No
         except OSError as exc:
             raise ConfigError(f"config error: 'output_dir': cannot make a run folder in {cfg.output_dir}: "
                               f"{exc.strerror or exc}") from None
-    dump_config(cfg, run_dir / "config.yaml")
+    dump_config(cfg, run_dir / CONFIG)
     if console is not None:
         console.print(f"run folder: {run_dir}")
     # state.json: running, then finished / failed / interrupted (rl dashboard and rl report show it)

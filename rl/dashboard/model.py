@@ -11,7 +11,7 @@ from typing import Any
 
 from policy.effort import effort_order
 from rl.dashboard.runfolder import ROLLOUTS_TAIL_BYTES, JsonlTail, json_file, yaml_file
-from rl.run_folder import STATE
+from rl.run_folder import CONFIG, EVAL_AFTER, EVAL_BEFORE, GATE, METRICS, MOE_LOAD, ROLLOUTS, STATE
 from rl.types import RolloutRecord
 
 RECENT_SAMPLES = 2000  # rollouts kept in memory for the sample table
@@ -153,12 +153,12 @@ class RunData:
         self.moe = MoeLoad()
         self.samples: deque[RolloutRecord] = deque(maxlen=RECENT_SAMPLES)  # rollouts.jsonl's last lines
         self.problems: deque[str] = deque(maxlen=MAX_PROBLEMS)
-        self._files = {"config": yaml_file(self.path / "config.yaml"), "gate": json_file(self.path / "gate.json"),
-                       "eval_before": json_file(self.path / "eval_before.json"),
-                       "eval_after": json_file(self.path / "eval_after.json"), "state": json_file(self.path / STATE)}
-        self._metrics = JsonlTail(self.path / "metrics.jsonl")
-        self._moe = JsonlTail(self.path / "moe_load.jsonl")
-        self._rollouts = JsonlTail(self.path / "rollouts.jsonl", start_from_end=ROLLOUTS_TAIL_BYTES)
+        self._files = {"config": yaml_file(self.path / CONFIG), "gate": json_file(self.path / GATE),
+                       "eval_before": json_file(self.path / EVAL_BEFORE),
+                       "eval_after": json_file(self.path / EVAL_AFTER), "state": json_file(self.path / STATE)}
+        self._metrics = JsonlTail(self.path / METRICS)
+        self._moe = JsonlTail(self.path / MOE_LOAD)
+        self._rollouts = JsonlTail(self.path / ROLLOUTS, start_from_end=ROLLOUTS_TAIL_BYTES)
 
     def refresh(self, final: bool = False) -> bool:
         """`final`: the run has ended (a report), so a last line still unfinished is a torn one."""

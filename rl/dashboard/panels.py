@@ -12,6 +12,7 @@ from typing import Callable
 from rl.dashboard import domains
 from rl.dashboard.charts import Chart, Heatmap, Line, Panel, Plot, Table, fmt
 from rl.dashboard.model import MetricTable, RunData
+from rl.run_folder import MOE_LOAD
 from rl.metrics import family_member, family_of
 from rl.types import EPISODE_PHASES
 
@@ -207,7 +208,7 @@ def moe_panel(runs: list[RunData]) -> Panel:
                                                     [f"layer {layer}" for layer in moe.layers]),
                                     caption=f"step {moe.latest_step}")
         else:
-            latest[run.name] = Plot(missing=["moe_load.jsonl"])
+            latest[run.name] = Plot(missing=[MOE_LOAD])
         imbalance[run.name] = _imbalance(run)
     return Panel("moe", "MoE expert load", [
         Chart("moe.latest", "Expert load at the newest step (fraction of routed tokens)", "expert", "layer", latest),
@@ -224,7 +225,7 @@ def _imbalance(run: RunData) -> Plot:
             for step, value in zip(*run.grpo.series(key)):
                 by_step.setdefault(step, {})[int(layer)] = value
     if not by_step:
-        return Plot(missing=["moe_load.jsonl", "moe/imbalance/layer*"])
+        return Plot(missing=[MOE_LOAD, "moe/imbalance/layer*"])
     steps = sorted(by_step)
     layers = sorted({layer for row in by_step.values() for layer in row})
     z = [[by_step[s].get(layer, float("nan")) for s in steps] for layer in layers]

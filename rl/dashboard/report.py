@@ -17,6 +17,7 @@ from rl.dashboard.charts import MARKERS_UP_TO, OVERALL, Chart, Plot, Table, fmt,
 from rl.dashboard.panels import PARETO_WINDOW, build_panels, effort_table, gate_table, heldout_table
 from rl.metrics import family_member, family_of
 from rl.dashboard.runfolder import is_run_folder
+from rl.run_folder import CONFIG, METRICS
 
 COLUMNS = 2
 CHART_W, CHART_H, DPI = 6.4, 3.6, 110
@@ -36,7 +37,7 @@ class ReportError(ValueError):
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """Write `report.md` and one PNG per panel with data into out_dir (RUN_DIR/report); its path."""
     if not is_run_folder(run_dir):
-        raise ReportError(f"{run_dir} is not a run folder (no config.yaml or metrics.jsonl)")
+        raise ReportError(f"{run_dir} is not a run folder (no {CONFIG} or {METRICS})")
     run = RunData(run_dir)
     run.refresh(final=True)
     for problem in run.problems:  # also listed in the report; said here so no reader misses one

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import yaml
 
 from rl.integrity import parse_record
+from rl.run_folder import CONFIG, METRICS
 
 # rollouts.jsonl holds whole transcripts and grows fastest: a reader opening a long run starts
 # this far from its end (only the recent samples are shown anyway).
@@ -113,4 +114,4 @@ def yaml_file(path: Path) -> WatchedFile:
 
 
 def is_run_folder(path: Path) -> bool:
-    return path.is_dir() and any((path / name).exists() for name in ("config.yaml", "metrics.jsonl"))
+    return path.is_dir() and any((path / name).exists() for name in (CONFIG, METRICS))

@@ -23,6 +23,7 @@ from rl.dashboard.domains import domain_chart, has_families, heldout_domain_rows
 from rl.dashboard.panels import build_panels
 from rl.dashboard.plotly_render import figure_json
 from rl.dashboard.runfolder import is_run_folder
+from rl.run_folder import CONFIG, METRICS
 from rl.dashboard.samples import QueryError, SampleQuery, filter_options, find_sample, find_samples
 
 STATIC = resources.files("rl.dashboard") / "static"
@@ -53,7 +54,7 @@ class Dashboard:
             raise DashboardError("name at least one run folder")
         for path in paths:
             if not is_run_folder(path):
-                raise DashboardError(f"{path} is not a run folder (no config.yaml or metrics.jsonl)")
+                raise DashboardError(f"{path} is not a run folder (no {CONFIG} or {METRICS})")
         if len(set(paths)) != len(paths):
             raise DashboardError("a run folder is named twice")
         self.runs = [RunData(p, name) for p, name in zip(paths, run_names(paths))]

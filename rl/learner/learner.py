@@ -25,6 +25,7 @@ from rl.config import LevelShaping, TrainConfig
 from rl.learner.batches import MicroBatch, Row, collate, plan_packed, plan_padded, rows_from_samples
 from rl.learner.flops import active_parameters, flops_metrics, peak_flops, step_flops
 from rl.learner.loss import accumulate_policy_gradient, compute_advantages, global_sum, loss_normaliser, policy_forward
+from rl.run_folder import CHECKPOINT_HF
 from rl.shaping import shape_rewards
 from rl.shipping import PackedFiles, ShippedDir, files_under, localize, pack_files, this_node
 from rl.types import RolloutBatch, Sample
@@ -400,7 +401,7 @@ class Learner:
             torch.save(self.reference.state_dict(), self._rank_file(directory, tag, "reference"))
         whole = self._full_state()
         if self.rank == 0:
-            save_policy(self.engine.module, str(directory / tag / "hf"), state=whole)
+            save_policy(self.engine.module, str(directory / tag / CHECKPOINT_HF), state=whole)
 
     def load(self, checkpoint: ShippedDir) -> dict[str, Any]:
         """Restore every rank from a checkpoint folder (`.../step_N`) of the driver's node."""

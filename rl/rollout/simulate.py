@@ -31,7 +31,7 @@ from rl.config import RolloutConfig
 from rl.hack_monitor import HackMonitor, responses_from_records
 from rl.rollout import scheduler as scheduler_module
 from rl.rollout.scheduler import RolloutScheduler, SamplingPlan
-from rl.run_folder import append_jsonl
+from rl.run_folder import ROLLOUTS, append_jsonl
 from rl.types import Sample, WorkItem
 
 
@@ -255,7 +255,7 @@ class _Driver:
 
     def keep(self, step: int, report: Any, measured: bool) -> None:
         t0 = time.process_time()
-        path = Path(self.folder.name) / "rollouts.jsonl"
+        path = Path(self.folder.name) / ROLLOUTS
         json.dumps({"step": step, **report.metrics})  # the metrics line's cost (its file is not the question)
         self.hacks.observe(step, responses_from_records(report.records))
         append_jsonl(path, report.records)
