@@ -17,7 +17,7 @@ import datasets
 from envs.data import SPLITS, normalise_splits
 from envs.grades import Grade, Grader, GradeRequest
 from envs.toolcall import ParsedTurn, check_arguments, parse_turn, split_reasoning
-from policy.effort import EFFORT_LEVELS as EFFORTS
+from kimi_vocab.effort import EFFORT_LEVELS as EFFORTS
 from sandbox import SandboxSpec, open_sandbox
 
 if TYPE_CHECKING:

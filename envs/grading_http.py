@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from envs.grades import Grade, Grader, GradeRequest
 from envs.json_input import JsonInputError, parse_json
-from policy.effort import EFFORT_LEVELS
+from kimi_vocab.effort import EFFORT_LEVELS
 
 MAX_BODY = 16 << 20
 READ_TIMEOUT_S = 10.0  # a client has this long to send its whole request (headers and body)

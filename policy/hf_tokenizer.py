@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from .effort import EFFORT_LEVELS
+from kimi_vocab.effort import EFFORT_LEVELS
 
 _EFFORT_LINE = "Reasoning effort: {effort}."
 _MARKER = "\u2063"  # an invisible separator that splits a rendered template at the tool result

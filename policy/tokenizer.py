@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from .effort import EFFORT_LEVELS as EFFORTS
+from kimi_vocab.effort import EFFORT_LEVELS as EFFORTS
 
 PAD, BOS, EOT = "<|pad|>", "<|bos|>", "<|eot|>"
 TOOL_CALL, TOOL_CALL_CLOSE, TOOL_RESULT = "<|tool_call|>", "<|/tool_call|>", "<|tool_result|>"

@@ -21,7 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
                       model_validator)
 
 from policy.config import PRESETS, ModelConfig, get_config
-from policy.effort import EFFORT_LEVELS
+from kimi_vocab.effort import EFFORT_LEVELS
 from rl.rollout.cache_budget import check_cache_gib
 from sandbox import SandboxSpec
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import ray
 
-from policy.effort import EFFORT_LEVELS
+from kimi_vocab.effort import EFFORT_LEVELS
 from rl.cluster import env_kwargs, start_env_side, start_policy_side, start_ray
 from rl.config import load_config
 from rl.evaluation import effort_table, eval_table, summarise_eval, write_pareto

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from rich.table import Table
 
-from policy.effort import effort_order
+from kimi_vocab.effort import effort_order
 from rl.metrics import budget_stats
 from rl.types import Sample, episodes
 

@@ -116,7 +116,7 @@ class RolloutRecord(TypedDict):
     env: str  # the environment that played it
     domain: str  # the task's domain (a family's member: `family:member`, envs.families)
     task_id: str
-    effort: str  # the effort level it was asked at (policy.effort.EFFORT_LEVELS)
+    effort: str  # the effort level it was asked at (kimi_vocab.effort.EFFORT_LEVELS)
     reward: float  # the verifier's reward (the shaped one is `shaped_reward`)
     passed: bool  # the grader counted it as solved
     version: int  # the oldest weights that sampled a token of it; -1: it generated no token

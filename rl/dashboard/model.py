@@ -9,7 +9,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from policy.effort import effort_order
+from kimi_vocab.effort import effort_order
 from rl.dashboard.runfolder import ROLLOUTS_TAIL_BYTES, JsonlTail, json_file, yaml_file
 from rl.run_folder import CONFIG, EVAL_AFTER, EVAL_BEFORE, GATE, METRICS, MOE_LOAD, ROLLOUTS, STATE
 from rl.types import RolloutRecord
