@@ -411,10 +411,9 @@ class RolloutScheduler:
                 reissued += 1
                 continue
             attempts += 1
-            env_fault = env_worker_fault(failure)
-            if env_fault is not None:
+            if env_worker_fault(failure) is not None:
                 self._cut_off(f"environment worker {env}")
-                await self._env_worker_back(env, unreachable=isinstance(env_fault, RayActorError))
+                await self._env_worker_back(env)
             elif isinstance(failure, RayTaskError):  # the group itself raised (a broken task or environment)
                 await self._abort_episodes(item)
                 if attempts > self.cfg.max_retries:
@@ -436,14 +435,27 @@ class RolloutScheduler:
     def _worker_down(self, w: int, died: bool) -> None:
         """The actor restarts on its own (max_restarts) and comes back without weights: no group
         goes to it until it answers again and holds the current weights. died: a call to it failed,
-        and its death is counted now (it may come back only after the run's last batch)."""
+        and its death is counted now unless already counted (it may come back only after the run's
+        last batch)."""
         if w not in self.down:
-            if died:
-                self._died(f"rollout worker {w}")
-            self.down[w] = asyncio.get_running_loop().create_task(self._bring_back(w))
+            self.down[w] = asyncio.get_running_loop().create_task(self._bring_back(w, died))
 
-    async def _bring_back(self, w: int) -> None:
+    async def _count_failed_call(self, name: str, actor) -> None:
+        """A call to a worker failed: its death is counted now, unless the worker answers at once
+        with the pid already known, a successor whose predecessor's death was counted already (a
+        late failure of a call made before the restart; counting it again counted one death twice)."""
         try:
+            pid = await asyncio.wait_for(actor.ping.remote(), 2.0)
+        except (*WORKER_FAILURES, asyncio.TimeoutError):
+            pid = None
+        if pid is None or pid != self.pids.get(name):
+            if self.pids.get(name) != DEAD:
+                self._died(name)
+
+    async def _bring_back(self, w: int, died: bool) -> None:
+        try:
+            if died:
+                await self._count_failed_call(f"rollout worker {w}", self.workers[w])
             while await self._answers(f"rollout worker {w}", self.workers[w]) is not None:
                 if not self.weights_ref:
                     return
@@ -459,19 +471,20 @@ class RolloutScheduler:
                 self.down.pop(w, None)
                 self._changed.notify_all()
 
-    async def _env_worker_back(self, e: int, unreachable: bool) -> None:
+    async def _env_worker_back(self, e: int) -> None:
         """Wait until environment worker e answers again. Every group it cut off waits on one ping,
-        shielded: a group aborted meanwhile must not cancel the others' wait. unreachable: a call to
-        it failed, and its death is counted now (an episode its successor does not hold is counted
-        by the successor's new pid, once)."""
-        name = f"environment worker {e}"
+        shielded: a group aborted meanwhile must not cancel the others' wait. Its death is counted
+        once (_count_failed_call: counting at each failed call counted one death six times in a
+        14-step run)."""
         waiting = self.env_back.get(e)
         if waiting is None or waiting.done():
-            if unreachable:
-                self._died(name)
-            waiting = self.env_back[e] = asyncio.get_running_loop().create_task(
-                self._answers(name, self.env_workers[e]))
+            waiting = self.env_back[e] = asyncio.get_running_loop().create_task(self._env_worker_answers(e))
         await asyncio.shield(waiting)
+
+    async def _env_worker_answers(self, e: int) -> int | None:
+        name = f"environment worker {e}"
+        await self._count_failed_call(name, self.env_workers[e])
+        return await self._answers(name, self.env_workers[e])
 
     async def _answers(self, name: str, actor) -> int | None:
         """Wait until a worker Ray restarts answers again: its pid, or None when it never will (the
