@@ -18,6 +18,7 @@ from rl.rollout.engine_api import RolloutEngine, SamplingParams, SequenceRecord,
 from rl.rollout.env_worker import EpisodeEnd, EpisodeStart, StepReply
 from rl.rollout.worker import RolloutWorker
 from rl.types import WorkItem
+from fake_remote import LocalCall
 
 ACTION = [40, 41, 42, 43, 44, 45]  # one scripted assistant turn
 
@@ -49,24 +50,14 @@ class ScriptedEngine(RolloutEngine):
         self.version = version
 
 
-class _Call:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(self.fn(*args))
-        return future
-
-
 class ToolHeavyEnv:
     """Five tool turns, each answered with a long output, then done."""
 
     def __init__(self) -> None:
         self.turns = 0
-        self.step = _Call(self._step)
-        self.finish = _Call(lambda sid: EpisodeEnd(Grade(1.0, True, "1"), [{"role": "user", "content": "q"}]))
-        self.abort = _Call(lambda prefix: 0)
+        self.step = LocalCall(self._step)
+        self.finish = LocalCall(lambda sid: EpisodeEnd(Grade(1.0, True, "1"), [{"role": "user", "content": "q"}]))
+        self.abort = LocalCall(lambda prefix: 0)
 
     def _step(self, sid: str, text: str) -> StepReply:
         self.turns += 1

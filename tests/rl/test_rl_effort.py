@@ -22,6 +22,7 @@ from rl.rollout.layout import reference_example
 from rl.rollout.worker import RolloutWorker
 from rl.shaping import length_cost, overlong_penalty, shape_rewards
 from rl.types import Sample, WorkItem
+from fake_remote import LocalCall
 
 CALL = format_tool_call("search", {"query": "amber-fox"})
 
@@ -65,26 +66,16 @@ class ScriptedEngine(RolloutEngine):
         self.version = version
 
 
-class _Call:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(self.fn(*args))
-        return future
-
-
 class LookupEnv:
     """A tool turn gets 'amber-fox: 7'; a turn without a call is the answer (passed if it says 7)."""
 
     def __init__(self) -> None:
         self.steps: list[str] = []
         self.answer: str | None = None
-        self.step = _Call(self._step)
-        self.finish = _Call(lambda sid: EpisodeEnd(Grade(float(self.answer == "The answer is 7."),
+        self.step = LocalCall(self._step)
+        self.finish = LocalCall(lambda sid: EpisodeEnd(Grade(float(self.answer == "The answer is 7."),
                                                          self.answer == "The answer is 7.", "1")))
-        self.abort = _Call(lambda prefix: 0)
+        self.abort = LocalCall(lambda prefix: 0)
 
     def _step(self, sid: str, text: str) -> StepReply:
         self.steps.append(text)

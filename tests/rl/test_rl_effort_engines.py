@@ -16,6 +16,7 @@ from rl.rollout.env_worker import EpisodeEnd, EpisodeStart, StepReply
 from rl.rollout.layout import stop_token_ids
 from rl.rollout.worker import RolloutWorker
 from rl.types import WorkItem
+from fake_remote import LocalCall
 
 BUDGETS = {"low": 12, "max": 30}
 RESERVE = 5
@@ -67,23 +68,13 @@ class OpenReasoning:
         return len(ids), True
 
 
-class _Call:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(self.fn(*args))
-        return future
-
-
 class EndlessTools:
     """Every turn is answered by a tool result: the episode runs until its budget is spent."""
 
     def __init__(self) -> None:
-        self.step = _Call(lambda sid, text: StepReply("result 7", False, False))
-        self.finish = _Call(lambda sid: EpisodeEnd(Grade(0.0, False, "1")))
-        self.abort = _Call(lambda prefix: 0)
+        self.step = LocalCall(lambda sid, text: StepReply("result 7", False, False))
+        self.finish = LocalCall(lambda sid: EpisodeEnd(Grade(0.0, False, "1")))
+        self.abort = LocalCall(lambda prefix: 0)
 
 
 async def play_levels(engine: RolloutEngine, tok) -> dict[str, tuple]:
