@@ -254,29 +254,7 @@ RESUMABLE = {"train": {"steps": 5, "micro_batches": 1}, "checkpoint": {"every": 
 
 
 def test_killed_async_run_resumes_without_losing_or_repeating_a_sample(tmp_path, ray_session):
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    config = write_config(tmp_path, **RESUMABLE)
-    proc = subprocess.Popen([sys.executable, "-m", "rl.cli", "train", str(config)], cwd=str(Path(__file__).parents[2]),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            runs = list((tmp_path / "runs").glob("*")) if (tmp_path / "runs").exists() else []
-            marker = runs[0] / "checkpoints" / "latest" if runs else None
-            if marker is not None and marker.exists() and marker.read_text() == "step_1":
-                break
-            assert proc.poll() is None, "the run ended before it could be killed"
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray cluster it started, mid-step
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    run_dir = only_run(tmp_path)
+    run_dir = run_killed_at(write_config(tmp_path, **RESUMABLE), tmp_path, "step_1")
     pending = {it["uid"] for it in json.loads((run_dir / "checkpoints" / "step_1" / "scheduler.json").read_text())["pending"]}
     output = run_cli("train", "--resume", str(run_dir))
     assert "continuing at step 2" in output
