@@ -2,6 +2,7 @@
 against the reference paths in one run, with model FLOP utilisation and a kernel-time profile.
 
     python benchmarks/train_step_gpu.py --seq 8192 --batch 1 4 [--json $OUT/gpu_model.json]
+    python benchmarks/train_step_gpu.py --seq 8192 --packed agentic --loss logprobs   # the learner's packed rows
 
 Configurations, each timed on the same weights and tokens:
   fast       fla chunk_kda, SDPA attention (flash / memory-efficient), grouped-GEMM MoE, fused
@@ -9,7 +10,9 @@ Configurations, each timed on the same weights and tokens:
   unfused    fast without the fused elementwise chains
   reference  torch KDA, fp32 reference attention, per-expert MoE loop (the CPU paths)
 plus, before timing, GPU agreement checks of each fast path against its reference (bf16).
-MFU = 6 * active parameters * tokens/s / 989 TFLOP/s (H200 dense bf16); attention and KDA FLOPs
+`--packed LENGTHS`: each row of `seq` tokens packs sequences end to end (cu_seqlens, as the learner's
+packed micro-batches): `agentic` 256-4096 tokens log-uniform (multi-turn episodes), `longtail`
+32-4096. MFU = 6 * active parameters * tokens/s / 989 TFLOP/s (H200 dense bf16); attention and KDA FLOPs
 are not counted, so it understates the work done. fla pays Triton autotuning (minutes) on the
 first step of a new shape: keep TRITON_CACHE_DIR between calls.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from contextlib import ExitStack
 from typing import Any, Callable
 
@@ -116,8 +120,23 @@ def check_fast_paths() -> None:
     log(f"fast-path agreement (relative error vs reference, bf16): {json.dumps(out)}")
 
 
+PACKED_LENGTHS = {"agentic": (256, 4096), "longtail": (32, 4096)}
+
+
+def packed_boundaries(seq: int, lengths: str, seed: int = 0) -> list[int]:
+    """cu_seqlens of one packed row of `seq` tokens: log-uniform lengths in PACKED_LENGTHS[lengths],
+    the last one cut to fill the row."""
+    lo, hi = PACKED_LENGTHS[lengths]
+    gen = torch.Generator().manual_seed(seed)
+    cu = [0]
+    while cu[-1] < seq:
+        n = int(math.exp(float(torch.empty(1).uniform_(math.log(lo), math.log(hi), generator=gen))))
+        cu.append(min(seq, cu[-1] + n))
+    return cu
+
+
 def model_step(cfg: Any, seq: int, batch: int, configs: list[str], warmup: int, iters: int, profile: bool,
-               loss: str = "logits") -> None:
+               loss: str = "logits", packed: str | None = None) -> None:
     from policy import build_model
     from policy.params import count_parameters
 
@@ -126,9 +145,15 @@ def model_step(cfg: Any, seq: int, batch: int, configs: list[str], warmup: int, 
     counts = count_parameters(model)
     ids = torch.randint(3, model.config.vocab_size, (batch, seq + 1), device="cuda")
     x, y = ids[:, :-1], ids[:, 1:]
+    rows = [torch.tensor(packed_boundaries(seq, packed, seed=b), device="cuda") for b in range(batch)] if packed else []
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
+        if packed:  # the learner's packed micro-batches: one row at a time, gradients accumulated
+            for b, cu in enumerate(rows):
+                out = model(x[b:b + 1], return_token_logprobs=True, cu_seqlens=cu)
+                (-out.token_logprobs.sum() / x.numel()).backward()
+            return
         if loss == "logprobs":  # the learner's path: token logprobs from the hidden states, no logits
             (-model(x, return_token_logprobs=True).token_logprobs[:, 1:].mean()).backward()
             return
@@ -136,7 +161,9 @@ def model_step(cfg: Any, seq: int, batch: int, configs: list[str], warmup: int, 
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).backward()
 
     tokens = batch * seq
-    res: dict[str, Any] = {"params": counts, "batch": batch, "seq": seq, "loss": loss}
+    res: dict[str, Any] = {"params": counts, "batch": batch, "seq": seq, "loss": "logprobs" if packed else loss}
+    if packed:
+        res["packed"] = {"lengths": packed, "sequences_per_row": [len(cu) - 1 for cu in rows]}
     for name in configs:
         with paths(name):
             log(f"B={batch} T={seq} [{name}]: warm-up")
@@ -158,7 +185,7 @@ def model_step(cfg: Any, seq: int, batch: int, configs: list[str], warmup: int, 
     timed = {n: r["fwd_bwd_ms"] for n, r in res.items() if isinstance(r, dict) and "fwd_bwd_ms" in r}
     if "fast" in timed:
         res["speedup_fast_vs"] = {n: round(ms / timed["fast"], 2) for n, ms in timed.items() if n != "fast"}
-    RESULTS[f"{cfg.name}_B{batch}_T{seq}"] = res
+    RESULTS[f"{cfg.name}_B{batch}_T{seq}" + (f"_packed_{packed}" if packed else "")] = res
 
 
 def kernel_profile(step: Callable[[], None], top: int = 25) -> dict[str, list[dict[str, Any]]]:
@@ -203,6 +230,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--loss", choices=["logits", "logprobs"], default="logits",
                    help="logits: fp32 logits + cross-entropy; logprobs: the learner's blockwise token logprobs")
+    p.add_argument("--packed", choices=sorted(PACKED_LENGTHS), default=None,
+                   help="pack each row with sequences of these lengths (the learner's path: token logprobs)")
     p.add_argument("--configs", nargs="+", default=["fast", "unfused", "reference"], choices=["fast", "unfused", "reference"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=6)
@@ -229,7 +258,8 @@ def main() -> None:
         check_fast_paths()
         write_json(RESULTS, a.json)
     for i, b in enumerate(a.batch):
-        model_step(cfg, a.seq, b, a.configs, a.warmup, a.iters, profile=not a.no_profile and i == 0, loss=a.loss)
+        model_step(cfg, a.seq, b, a.configs, a.warmup, a.iters, profile=not a.no_profile and i == 0, loss=a.loss,
+                   packed=a.packed)
         torch.cuda.empty_cache()
         write_json(RESULTS, a.json)
 

@@ -5,9 +5,18 @@ the short conv, attention) take it and never let one sequence see another; per-t
 nothing. This module holds the bookkeeping they share."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 Tensor = torch.Tensor
+
+# a sequence re-padded beside longer ones takes at most this many slots per real token, or this
+# many padding slots (fewer cost less than running another batch): one long sequence padded beside
+# many short ones (a 4K episode among 32-token ones) would multiply the short ones' cost by the long
+# one's length, and attention's by its square
+PAD_SLACK = 1.25
+PAD_ALLOWANCE = 16
 
 
 def check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int, who: str) -> None:
@@ -57,12 +66,41 @@ def repad_index(cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
     return index, real
 
 
+def length_buckets(lengths: Sequence[int], slack: float = PAD_SLACK,
+                   allowance: int = PAD_ALLOWANCE) -> list[list[int]]:
+    """Sequences (by index into `lengths`) grouped so that, right-padded to its group's longest L, a
+    sequence of length l takes at most `slack` * l slots or l + `allowance`. Longest first: sorted,
+    each group takes the next sequences while they fit its first. Empty sequences are in no group."""
+    if slack < 1:
+        raise ValueError(f"length_buckets: slack must be >= 1, got {slack}")
+    buckets: list[list[int]] = []
+    for n in sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: -lengths[i]):
+        longest = lengths[buckets[-1][0]] if buckets else 0
+        if buckets and (longest <= slack * lengths[n] or longest - lengths[n] <= allowance):
+            buckets[-1].append(n)
+        else:
+            buckets.append([n])
+    return buckets
+
+
+def repad_buckets(index: Tensor, real: Tensor, lengths: Sequence[int],
+                  slack: float = PAD_SLACK) -> list[tuple[Tensor, Tensor]]:
+    """repad_index's rows (index, real [N, L]; row n holds `lengths[n]` tokens from its start) cut
+    into length_buckets: [(index_b, real_b)], each [N_b, L_b] with L_b its bucket's longest."""
+    out = []
+    for rows in length_buckets(lengths, slack):
+        longest = lengths[rows[0]]
+        pick = torch.tensor(rows, device=index.device)
+        out.append((index[pick, :longest], real[pick, :longest]))
+    return out
+
+
 def to_padded(x: Tensor, index: Tensor) -> Tensor:
     """Packed x [1, T, ...] -> right-padded [N, L, ...] (padding holds copies of token 0: mask it)."""
     return x[0][index]
 
 
-def to_packed(y: Tensor, index: Tensor, real: Tensor, length: int) -> Tensor:
-    """Right-padded y [N, L, ...] -> packed [1, length, ...]: the real tokens, back in place."""
-    out = y.new_zeros(length, *y.shape[2:])
-    return out.index_copy(0, index[real], y[real]).unsqueeze(0)
+def to_packed(y: Tensor, index: Tensor, real: Tensor, out: Tensor) -> Tensor:
+    """Right-padded y [N, L, ...] -> `out` [T, ...] (unbatched: a packed row's positions) with the
+    real tokens of y in place, the rest of `out` as it was (out of place, for autograd)."""
+    return out.index_copy(0, index[real], y[real].to(out.dtype))

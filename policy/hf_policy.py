@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi_kernels.logprobs import linear_token_logprobs
-from kimi_kernels.varlen import check_cu_seqlens, positions_in_segment, repad_index, segment_starts
+from kimi_kernels.varlen import (check_cu_seqlens, positions_in_segment, repad_buckets, repad_index, segment_starts,
+                                 to_packed)
 
 from .model import CausalLMOutput
 
@@ -92,9 +93,10 @@ class HFPolicy(nn.Module):
             tree = shared_prefix_tree(input_ids[0], cu_seqlens) if self.share_prefixes else None
             if tree is None:
                 ids, positions = input_ids, positions_in_segment(cu_seqlens, input_ids.shape[1])[None]
-                repad = repad_index(cu_seqlens)
+                index, owned = repad_index(cu_seqlens)
             else:
-                ids, positions, repad = tree.ids[None], tree.positions[None], (tree.index, tree.owned)
+                ids, positions, index, owned = tree.ids[None], tree.positions[None], tree.index, tree.owned
+            repad = repad_buckets(index, owned, (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
             with _attention_implementation(self.hf.config, PACKED_ATTENTION):
                 h = self.hf.base_model(input_ids=ids, position_ids=positions, use_cache=False,
                                        kimi_repad=repad).last_hidden_state
@@ -145,24 +147,25 @@ PACKED_ATTENTION = "kimi_packed"
 
 def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      kimi_repad: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      kimi_repad: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention call on a packed row: query [1, H, T, D], key/value [1, Hkv, T, D]
     re-padded into one row per sequence and attended causally (padding comes after each row's
     tokens, so no query sees it), then packed again: [1, T, H, D] as transformers expects.
-    kimi_repad (index [N, L], owned [N, L]): row n's token i is packed position index[n, i]; each
+    kimi_repad: buckets of rows of like lengths (kimi_kernels/varlen.py's repad_buckets), each
+    (index [N_b, L_b], owned [N_b, L_b]): a row's token i is packed position index[n, i]; each
     packed position's output is taken from the one row that owns it (a shared prefix appears in
     every row of its group, owned by the first). Registered under PACKED_ATTENTION, a name with no
     mask function: transformers builds no mask."""
     if kimi_repad is None:
         raise ValueError("packed attention needs kimi_repad (HFPolicy.forward passes it)")
-    index, owned = kimi_repad
-    pad = lambda t: t[0][:, index].transpose(0, 1)  # noqa: E731 [H, T, D] -> [N, H, L, D]
     groups = query.shape[1] // key.shape[1]
-    out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scaling,
-                                         enable_gqa=groups > 1)  # [N, H, L, D]
-    T = query.shape[2]
-    packed = out.new_zeros(T, out.shape[1], out.shape[3]).index_copy(0, index[owned], out.transpose(1, 2)[owned])
+    packed = query.new_zeros(query.shape[2], query.shape[1], value.shape[3])  # [T, H, Dv]
+    for index, owned in kimi_repad:
+        pad = lambda t: t[0][:, index].transpose(0, 1)  # noqa: E731 [H, T, D] -> [N, H, L, D]
+        out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scaling,
+                                             enable_gqa=groups > 1)  # [N, H, L, D]
+        packed = to_packed(out.transpose(1, 2), index, owned, packed)
     return packed.unsqueeze(0), None
 
 

@@ -25,7 +25,7 @@ from kimi_kernels.attention import attention
 from kimi_kernels.fusion import fused_on_cuda
 from kimi_kernels.mla_decode import mla_decode, mla_decode_paged, mla_decode_supported
 from kimi_kernels.ops import masked_logit_max, topk_mask
-from kimi_kernels.varlen import check_cu_seqlens, repad_index, to_packed, to_padded
+from kimi_kernels.varlen import check_cu_seqlens, repad_buckets, repad_index, to_packed, to_padded
 
 from ..cache import MLACache, PagedMLAKeys
 from ..config import ModelConfig
@@ -93,13 +93,15 @@ def _weighted_relu_scores(q: torch.Tensor, kt: torch.Tensor, w: torch.Tensor) ->
     return (dots.float() * w.transpose(1, 2)[..., None]).sum(1)
 
 
-def _kl_to_indexer(p: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Mean over queries of KL(p || softmax(logits)) restricted to `allowed` keys (p renormalised)."""
+def _kl_to_indexer(p: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor,
+                   queries: torch.Tensor | None) -> torch.Tensor:
+    """Mean over queries (those marked in `queries` [B, T], all when None: padding teaches the
+    indexer nothing) of KL(p || softmax(logits)) restricted to `allowed` keys (p renormalised)."""
     p = torch.where(allowed, p, torch.zeros_like(p))
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
     logq = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-    term = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - logq), torch.zeros_like(p))
-    return term.sum(-1).mean()
+    term = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - logq), torch.zeros_like(p)).sum(-1)
+    return term.mean() if queries is None else term[queries].sum() / queries.sum().clamp_min(1)
 
 
 class MLAMixer(nn.Module):
@@ -157,9 +159,9 @@ class MLAMixer(nn.Module):
                 cu_seqlens: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, MLACache | None, torch.Tensor | None]:
         """token_mask [B, T] bool (right padding): padded tokens enter the cache as invalid keys.
-        cu_seqlens: a packed row of sequences (kimi_kernels/varlen.py), attended as the batch of
-        its sequences right-padded (each sees only its own keys; the attention's cost is the padded
-        batch's, sum of squares, not the packed row's square)."""
+        cu_seqlens: a packed row of sequences (kimi_kernels/varlen.py), run as batches of its
+        sequences right-padded, like lengths together (each sees only its own keys; the attention's
+        cost is about the sum of their squares, not the packed row's square)."""
         if cu_seqlens is not None:
             return self._forward_packed(x, indexer_loss, token_mask, cu_seqlens)
         B, T, _ = x.shape
@@ -213,16 +215,28 @@ class MLAMixer(nn.Module):
         if indexer_loss and idx_scores is not None:
             logits = torch.einsum("bthd,bshd->bhts", q.detach().float(), k.detach().float()) * self.scale
             p = torch.softmax(logits.masked_fill(~visible[:, None], float("-inf")), dim=-1).sum(1)
-            loss = _kl_to_indexer(p, idx_scores, visible)  # heads summed; L1-normalised in the KL
+            loss = _kl_to_indexer(p, idx_scores, visible, token_mask)  # heads summed; L1-normalised in the KL
         return y, (full if use_cache else None), loss
 
     def _forward_packed(self, x: torch.Tensor, indexer_loss: bool, token_mask: torch.Tensor | None,
                         cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        """The row's sequences re-padded into buckets of like lengths (kimi_kernels/varlen.py), each run
+        as a padded batch; the indexer loss is the mean over every bucket's real queries."""
         check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], "MLA")
         index, real = repad_index(cu_seqlens)
-        counted = real if token_mask is None else real & to_padded(token_mask, index)
-        y, _, loss = self.forward(to_padded(x, index), None, False, indexer_loss, counted)
-        return to_packed(y, index, real, x.shape[1]), None, loss
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        y = x.new_zeros(x.shape[1], self.o_proj.out_features)
+        loss_sum, queries = None, 0
+        for index_b, real_b in repad_buckets(index, real, lengths):
+            counted = real_b if token_mask is None else real_b & to_padded(token_mask, index_b)
+            y_b, _, loss_b = self.forward(to_padded(x, index_b), None, False, indexer_loss, counted)
+            y = to_packed(y_b, index_b, real_b, y)
+            if loss_b is not None:
+                n = int(counted.sum())
+                loss_sum = loss_b * n if loss_sum is None else loss_sum + loss_b * n
+                queries += n
+        loss = None if loss_sum is None else loss_sum / max(queries, 1)
+        return y.unsqueeze(0), None, loss
 
     @torch.no_grad()
     def _track_qk_max(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, past: int) -> None:

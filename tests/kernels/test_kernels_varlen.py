@@ -8,7 +8,8 @@ import torch
 
 from kimi_kernels.kda import kda, kda_chunk, kda_recurrent
 from kimi_kernels.ops import short_conv
-from kimi_kernels.varlen import positions_in_segment, repad_index, segment_ids, to_packed, to_padded
+from kimi_kernels.varlen import (PAD_ALLOWANCE, PAD_SLACK, length_buckets, positions_in_segment, repad_buckets,
+                                 repad_index, segment_ids, to_packed, to_padded)
 from test_kernels_kda import make_inputs
 
 LENGTHS = [[70], [5, 64, 1, 30], [64, 64], [1, 1, 1], [10, 0, 50, 3], [130, 7, 65]]
@@ -75,6 +76,37 @@ def test_repadding_round_trips():
     index, real = repad_index(cu(lengths))
     padded = to_padded(x, index)
     assert padded.shape == (4, 5, 1) and real.sum() == 9
-    assert torch.equal(to_packed(padded, index, real, 9), x)
+    assert torch.equal(to_packed(padded, index, real, torch.zeros(9, 1))[None], x)
     assert segment_ids(cu(lengths), 9).tolist() == [0, 0, 0, 2, 2, 2, 2, 2, 3]
     assert positions_in_segment(cu(lengths), 9).tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0]
+
+
+def test_length_buckets_hold_every_sequence_once_and_bound_the_padding():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        # a long tail: mostly short, a few up to 4K, some empty
+        lengths = (torch.rand(n, generator=gen) ** 4 * 4096).long().tolist()
+        buckets = length_buckets(lengths)
+        assert sorted(i for b in buckets for i in b) == [i for i in range(n) if lengths[i] > 0]
+        for b in buckets:
+            longest = lengths[b[0]]
+            assert longest == max(lengths[i] for i in b)
+            assert all(longest <= PAD_SLACK * lengths[i] or longest - lengths[i] <= PAD_ALLOWANCE for i in b)
+    # like lengths share a bucket: 8 of 100 and 8 of 3 make two buckets, not eight
+    assert sorted(map(len, length_buckets([100, 3] * 8))) == [8, 8]
+    with pytest.raises(ValueError, match="slack"):
+        length_buckets([1, 2], slack=0.5)
+
+
+def test_repadding_by_buckets_round_trips():
+    lengths = [3, 0, 50, 1, 48, 2]
+    x = torch.arange(104.0)[None, :, None]
+    index, real = repad_index(cu(lengths))
+    out = torch.zeros(104, 1)
+    slots = 0
+    for index_b, real_b in repad_buckets(index, real, lengths):
+        out = to_packed(to_padded(x, index_b), index_b, real_b, out)
+        slots += index_b.numel()
+    assert torch.equal(out[None], x)
+    assert slots == 2 * 50 + 3 * 3  # [50, 48] and [3, 2, 1]: 109 slots, not 6 x 50

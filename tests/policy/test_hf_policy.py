@@ -12,6 +12,7 @@ from policy import HFPolicy, build_policy, checkpoint_state_dict  # noqa: E402
 from rl.config import TrainConfig  # noqa: E402
 from rl.learner.batches import collate, plan_packed, plan_padded, rows_from_samples  # noqa: E402
 from rl.learner.loss import accumulate_policy_gradient, compute_advantages, loss_normaliser  # noqa: E402
+from kimi_kernels.varlen import PAD_ALLOWANCE, PAD_SLACK  # noqa: E402
 from tiny_hf_models import VOCAB, save_tiny, tiny_hf_model  # noqa: E402
 
 
@@ -92,6 +93,33 @@ def test_a_packed_row_keeps_its_sequences_apart(kind):
         one = policy(torch.cat(seqs)[None]).token_logprobs[0]
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
     assert (one - alone).abs().max() > 1e-2
+
+
+def test_a_long_tail_row_attends_its_short_sequences_at_their_own_lengths(monkeypatch):
+    """Packed attention runs batches of like lengths: one 200-token sequence beside twenty short ones
+    costs at most max(PAD_SLACK x, x + PAD_ALLOWANCE) query slots per sequence of x tokens, per layer
+    (all padded to 200: ~10x)."""
+    policy = HFPolicy(tiny_hf_model("llama"))
+    lengths = [200] + [3 + (5 * i) % 17 for i in range(20)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(4))
+    slots = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(q, *args, **kw):
+        slots.append(q.shape[0] * q.shape[2])
+        return sdpa(q, *args, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    with torch.no_grad():
+        packed = policy(ids, cu_seqlens=cu).token_logprobs[0]
+    monkeypatch.undo()
+    with torch.no_grad():
+        bounds = cu.tolist()
+        alone = torch.cat([policy(ids[:, a:b]).token_logprobs[0] for a, b in zip(bounds[:-1], bounds[1:])])
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    per_layer = sum(slots) / policy.config.num_hidden_layers
+    assert per_layer <= sum(max(PAD_SLACK * n, n + PAD_ALLOWANCE) for n in lengths), (per_layer, sum(lengths))
 
 
 def test_a_model_with_recurrent_layers_refuses_a_packed_row():

@@ -1,11 +1,13 @@
 """The hybrid policy on a packed row (several sequences end to end, `cu_seqlens`) equals the same
 sequences right-padded: token logprobs, gradients, MoE load and routing agreement, QK-Clip's statistic,
-with and without activation checkpointing, MLA and DSA global layers."""
+with and without activation checkpointing, MLA and DSA global layers; the DSA indexer loss; and a long
+tail of lengths padded only among like lengths."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kimi_kernels.varlen import PAD_ALLOWANCE, PAD_SLACK
 from policy import HybridForCausalLM
 from _policy_tiny import tiny
 
@@ -111,3 +113,44 @@ def test_a_sequence_first_token_has_no_logprob_and_a_packed_row_takes_no_cache()
     assert out.token_logprobs[0, 0] == 0 and out.token_logprobs[0, 5] == 0 and (out.token_logprobs[0, 6:] != 0).all()
     with pytest.raises(ValueError, match="training forward"):
         model(ids, use_cache=True, cu_seqlens=cu)
+
+
+def test_the_dsa_indexer_loss_of_a_packed_row_is_the_padded_batch_s():
+    """Both the mean over the real queries of every DSA layer (padding teaches the indexer nothing)."""
+    torch.manual_seed(0)
+    cfg = tiny(global_attn="dsa", index_topk=8)
+    model = HybridForCausalLM(cfg).double().train()
+    (ids, mask, routing), (packed_ids, cu, packed_routing) = batches(cfg.vocab_size, len(cfg.moe_layers),
+                                                                     cfg.num_experts_per_token)
+    padded = model(ids, routing=routing, token_mask=mask, return_indexer_loss=True).indexer_loss
+    packed = model(packed_ids, routing=packed_routing, cu_seqlens=cu, return_indexer_loss=True).indexer_loss
+    torch.testing.assert_close(packed, padded, rtol=1e-6, atol=0)  # the indexer scores in float32
+    # the padding is not averaged in: a longer padded batch (the same tokens) gives the same loss
+    pad = torch.nn.functional.pad
+    wider = model(pad(ids, (0, 7)), routing=pad(routing, (0, 0, 0, 0, 0, 7), value=-1), token_mask=pad(mask, (0, 7)),
+                  return_indexer_loss=True).indexer_loss
+    torch.testing.assert_close(wider, padded, rtol=1e-6, atol=0)
+
+
+def test_a_long_tail_row_pads_its_short_sequences_to_their_own_lengths():
+    """A global layer runs a packed row as batches of like lengths: one 300-token sequence beside
+    thirty short ones costs at most max(PAD_SLACK x, x + PAD_ALLOWANCE) slots per sequence of x tokens
+    (all padded to 300: ~9x)."""
+    torch.manual_seed(0)
+    cfg = tiny()
+    model = HybridForCausalLM(cfg).eval()
+    lengths = [300] + [4 + (7 * i) % 23 for i in range(30)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    ids = torch.randint(3, cfg.vocab_size, (1, sum(lengths)))
+    slots = []
+    count = lambda module, inputs, output: slots.append(inputs[0].shape[:2].numel())  # noqa: E731
+    hooks = [layer.self_attn.o_proj.register_forward_hook(count) for layer in model.model.layers if layer.kind != "kda"]
+    with torch.no_grad():
+        packed = model(ids, cu_seqlens=cu, return_token_logprobs=True).token_logprobs[0]
+        alone = torch.cat([model(ids[:, a:b], return_token_logprobs=True).token_logprobs[0]
+                           for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    per_layer = sum(slots) / len(hooks) / 2  # each layer ran twice: packed, then alone
+    assert per_layer <= sum(max(PAD_SLACK * n, n + PAD_ALLOWANCE) for n in lengths), (per_layer, sum(lengths))
