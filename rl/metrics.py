@@ -34,6 +34,12 @@ class MetricsLogger:
                     if sink.replays_history:
                         sink.log(step, charted(record))
         self.sinks += fresh
+        self.pending: dict[str, float] = {}  # what was left out before a step: logged with the next row
+
+    def add_to_next(self, metrics: dict[str, float]) -> None:
+        """Metrics of something done between steps (reference episodes, an evaluation), logged with
+        the next row."""
+        self.pending.update(metrics)
 
     @property
     def wandb_run(self):
@@ -43,6 +49,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """step >= 0: a GRPO step; step < 0: a warm-up (SFT) step, counted up to -1. metrics.jsonl gets
         every metric; wandb and TensorBoard, a chart per metric name, not those of single family domains."""
+        metrics, self.pending = {**self.pending, **metrics}, {}
         for sink in self.sinks:
             sink.log(step, metrics if isinstance(sink, JsonlSink) else charted(metrics))
 

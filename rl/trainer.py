@@ -49,6 +49,7 @@ class Trainer:
         self.mirror = CheckpointMirror.of_run(ckpt_dir, run_dir.name) if ckpt_dir else None
         self._env_workers: list = []
         self._where = "during set-up"  # where a stopped run's line says it stopped
+        self._left_out: dict[str, float] = {}  # reference episodes left out, per environment: metrics
         self._signals = StopOnSignal(self._stop_line)
 
     def say(self, text: str) -> None:
@@ -81,6 +82,7 @@ class Trainer:
             if failures:
                 self.say(f"{entry.name}: {len(failures)} of {len(ids)} reference episode(s) raised and were left out "
                          f"of the tokenizer and the warm-up (first: {failures[0]})")
+                self._left_out[f"warmup/reference_failed/{entry.name}"] = float(len(failures))
             if not out[entry.name]:
                 raise RuntimeError(f"environment {entry.name!r}: every reference episode raised "
                                    f"(first: {failures[0] if failures else 'no tasks'})")
@@ -167,7 +169,10 @@ class Trainer:
         if w.steps and not self.bars:
             self.phase(f"warm-up: done, loss {metrics['sft/loss']:.3f}")
 
-    def _evaluate(self, tag: str) -> dict[str, Any]:
+    def _evaluate(self, tag: str, logger: MetricsLogger) -> dict[str, Any]:
+        """Held-out reward of the current weights, written to eval_{tag}.json. Groups that failed are
+        said on the console and counted in eval/{tag}/failed_groups: with the first GRPO step's row
+        (before), in a row of the last step's own (after)."""
         e = self.cfg.eval
         envs = [entry.name for entry in self.cfg.envs]
         self.phase(f"evaluating ({tag}): {e.tasks_per_env} held-out tasks x {len(e.efforts)} effort levels x "
@@ -176,6 +181,11 @@ class Trainer:
                                                                e.samples_per_task, e.temperature, tag))
         if result.failure_line():
             self.say(result.failure_line())
+            failed = {f"eval/{tag}/failed_groups": float(len(result.failed))}
+            if tag == "before":
+                logger.add_to_next(failed)
+            else:
+                logger.log(self.cfg.train.steps - 1, failed)
         summary = summarise_eval(result.samples)
         (self.run_dir / {"before": EVAL_BEFORE, "after": EVAL_AFTER}[tag]).write_text(json.dumps(summary, indent=1))
         return summary
@@ -272,6 +282,7 @@ class Trainer:
                 rewind_step_logs(self.run_dir, latest_checkpoint(self.run_dir)[1])
             logger = MetricsLogger(self.run_dir, cfg.logging.wandb_mode, cfg.logging.wandb_project, self.run_id,
                                    cfg.model_dump(mode="json"), resume=self.resume)
+            logger.add_to_next(self._left_out)
             restored = self._restore()
             before = read_json(self.run_dir / EVAL_BEFORE)
             if restored:
@@ -295,10 +306,10 @@ class Trainer:
                     self.actors.learner.set_reference()
                 self._push_weights(0)
                 self._where = "during the evaluation before RL"
-                before = self._evaluate("before") if cfg.eval.before_and_after else None
+                before = self._evaluate("before", logger) if cfg.eval.before_and_after else None
             self._train_loop(start_step, snapshot, logger)
             self._where = "during the evaluation after RL"
-            after = self._evaluate("after") if cfg.eval.before_and_after else None
+            after = self._evaluate("after", logger) if cfg.eval.before_and_after else None
             self._print_tables(before, after)
             if after is not None:
                 files = write_pareto({"before RL": before, "after RL": after} if before else {"after RL": after},

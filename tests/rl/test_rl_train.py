@@ -205,19 +205,23 @@ def test_groups_whose_environment_raises_are_reported_and_left_out(tmp_path, ray
             tmp_path, envs=[{"name": "math-reset-fails", "kwargs": {"max_operand": 9, "n_train": 40, "n_heldout": 8}}],
             train={"steps": 2, "micro_batches": 1}, gate={"enabled": False},
             rollout={**TINY["rollout"], "max_retries": 1},
-            eval={"tasks_per_env": 1, "efforts": ["medium"], "before_and_after": False})
+            eval={"tasks_per_env": 1, "efforts": ["medium", "high"], "before_and_after": True})
         output = run_cli("train", str(config))
     finally:
         unregister("math-reset-fails")
     run_dir = only_run(tmp_path)
     metrics = [m for m in read_metrics(run_dir) if m["step"] >= 0]
-    assert [m["step"] for m in metrics] == [0, 1]
-    failed = sum(m["rollout/failed_groups"] for m in metrics)
+    assert [m["step"] for m in metrics] == [0, 1, 1]  # the last: the evaluation after RL's failures
+    failed = sum(m.get("rollout/failed_groups", 0) for m in metrics)
     assert failed >= 1
     assert "group(s) failed and were left out" in output and "task set-up failed" in output
+    # the held-out groups at "high" fail too: said, and counted with the first step and after the last
+    assert output.count("held-out group(s) failed and were left out of the table") == 2
+    assert metrics[0]["eval/before/failed_groups"] == metrics[2]["eval/after/failed_groups"] == 1
+    assert set(json.loads((run_dir / "eval_after.json").read_text())["all"]) == {"medium", "all"}
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert records and {r["effort"] for r in records} == {"medium"}  # the failing groups left no sample
-    for m in metrics:  # failed groups were replaced by new draws (up to the cap), whole groups trained
+    for m in metrics[:2]:  # failed groups were replaced by new draws (up to the cap), whole groups trained
         assert m["rollout/trained_samples"] % 2 == 0 and m["rollout/trained_samples"] <= 8
 
 
