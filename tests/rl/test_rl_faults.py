@@ -1,7 +1,7 @@
 """Fault injection over the synchronous and asynchronous loops, on the tiny config, end to end.
 
 Workers Ray restarts (a rollout worker, an environment worker, a grader actor), each SIGKILLed at a
-random point: the run goes on to its last step, each death is one console line and a metric, and
+random point, and a grader stalled (SIGSTOP): the run goes on to its last step, each death is one console line and a metric, and
 no sample is lost or trained twice. A run that cannot go on (SIGINT, SIGTERM, its learner
 SIGKILLed, a full disk during a checkpoint) ends in one line naming the newest whole checkpoint and
 the exact command that resumes it, with exit code 130 / 143 / 1, and the resumed runs together
@@ -181,6 +181,41 @@ def test_killed_workers_are_restarted_and_the_run_goes_on(tmp_path, ray_session,
     assert re.search(r"step \d+: rollout worker [01] died; Ray restarts it", text), text
     assert re.search(r"step \d+: environment worker 0 died; Ray restarts it", text), text
     assert re.search(r"step \d+: \d+ grader actor\(s\) died or hung and were replaced", text), text
+
+
+def test_a_stalled_grader_is_replaced_and_the_run_goes_on(tmp_path, ray_session):
+    """A grader actor stopped (SIGSTOP: alive to the OS and to Ray, answering nothing) at a random moment:
+    the pool's timeout replaces it, its grades are retried, the run trains every step with nothing lost,
+    says it in one line and counts it; the stopped process does not outlive the run."""
+    rng = random.Random(SEED)
+    steps = 8
+    config = faulty_config(tmp_path, 2, steps=steps, grader={"timeout_s": 3.0, "retries": 1})
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=CliRunner().invoke(app, ["train", str(config)])))
+    thread.start()
+    stalled = None
+    try:
+        run_dir = wait_until(lambda: the_run_dir(tmp_path), "the run folder", alive=thread.is_alive)
+        wait_until(lambda: 0 in steps_logged(run_dir), "step 0", alive=thread.is_alive)
+        time.sleep(rng.uniform(0.0, 1.0))
+        stalled = psutil.Process(wait_until(lambda: [p.pid for p in ray_processes(os.getpid(), "GraderActor")],
+                                            "a live grader actor")[0])
+        stalled.send_signal(signal.SIGSTOP)
+        wait_until(lambda: counted(run_dir, COUNTED["grader actor"]) >= 1, "the stalled grader replaced",
+                   alive=thread.is_alive)
+        wait_until(lambda: not thread.is_alive(), "the run's end (a hung run never gets there)")
+    finally:
+        stop_if_hung(thread, tmp_path)
+        if stalled is not None and stalled.is_running():
+            stalled.send_signal(signal.SIGCONT)  # whatever happened, leave nothing stopped behind
+    out = result["out"]
+    assert out.exit_code == 0, f"FAULT_SEED={SEED}\n{out.output}"
+    assert_nothing_lost_or_repeated(run_dir, steps)
+    assert counted(run_dir, "rollout/failed_groups") == 0, f"FAULT_SEED={SEED}"
+    text = " ".join(out.output.split())
+    assert re.search(r"step \d+: \d+ grader actor\(s\) died or hung and were replaced", text), text
+    gone = not stalled.is_running() or stalled.status() == psutil.STATUS_ZOMBIE
+    assert gone, f"the stalled grader (pid {stalled.pid}) outlived the run (FAULT_SEED={SEED})"
 
 
 # -- a run that cannot go on: one line, then --resume -----------------------------------------------------
