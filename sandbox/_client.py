@@ -164,6 +164,8 @@ class AgentSandbox(Sandbox):
         self._conn: AgentConnection | None = None
         self._closed = False
         self._close_lock = threading.Lock()
+        self._lost_reason: str | None = None  # why the agent went away; every later call says it again
+        self._ttl_end = time.monotonic() + limits.ttl  # the host's view of the agent's deadline
 
     @property
     def workdir(self) -> str:
@@ -178,12 +180,23 @@ class AgentSandbox(Sandbox):
     def _call(self, head: Mapping[str, Any], blob: bytes = b"", timeout: float = 60.0,
               chunked: bool = False) -> tuple[dict[str, Any], bytes]:
         if self._closed or self._conn is None:
-            raise SandboxDead(f"sandbox {self.id} is closed")
+            raise SandboxDead(self._lost_reason or f"sandbox {self.id} is closed")
         try:
             return self._conn.call(head, blob, timeout, chunked)
-        except SandboxDead:
-            self.close()  # a sandbox whose agent is gone is useless: free it now
-            raise
+        except SandboxDead as e:
+            raise self._lost(e) from None
+
+    def _lost(self, e: SandboxDead) -> SandboxDead:
+        """The agent stopped answering: free the sandbox now (it is useless), and say why in one
+        line where the backend can tell (Docker: the daemon restarted, the container is gone)."""
+        if not self._closed:  # not closed by its owner: something outside killed it
+            self._lost_reason = self._why_lost() or str(e)
+        self.close()
+        return SandboxDead(self._lost_reason or str(e))
+
+    def _why_lost(self) -> str | None:
+        """Backend-specific: why the agent went away (None: the broken connection says enough)."""
+        return None
 
     @property
     def alive(self) -> bool:
@@ -247,16 +260,16 @@ class AgentSandbox(Sandbox):
     def set_deadline(self, ttl: float, wait: bool = True) -> None:
         if ttl <= 0:
             raise ValueError(f"ttl must be > 0, got {ttl}")
+        self._ttl_end = time.monotonic() + ttl
         if wait:
             self._call({"op": "deadline", "ttl": float(ttl)}, timeout=5.0)
             return
         if self._closed or self._conn is None:
-            raise SandboxDead(f"sandbox {self.id} is closed")
+            raise SandboxDead(self._lost_reason or f"sandbox {self.id} is closed")
         try:
             self._conn.send_nowait({"op": "deadline", "ttl": float(ttl)})
-        except SandboxDead:
-            self.close()
-            raise
+        except SandboxDead as e:
+            raise self._lost(e) from None
 
     def close(self) -> None:
         with self._close_lock:

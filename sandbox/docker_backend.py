@@ -27,12 +27,20 @@ DEFAULT_IMAGE = os.environ.get("RL_SANDBOX_IMAGE", "rl-sandbox-base:latest")
 LABEL = "rl.sandbox"
 SANDBOX_USER = "1000:1000"
 START_TIMEOUT = 60.0
+# what close() and a post-mortem wait on the daemon: one that restarts accepts connections before it
+# answers them, and a close must not wait the main client's 120 s on it
+PROBE_TIMEOUT = 5.0
 HOST = socket.gethostname()
 LOG_MAX = "1m"  # of a container's log on the host
 
 _client_lock = threading.Lock()
 _client: Any = None
+_quick: Any = None
 _avail: tuple[float, bool] = (0.0, False)
+
+
+def _base_url() -> str:
+    return os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
 
 
 def docker_client() -> Any:
@@ -42,9 +50,21 @@ def docker_client() -> Any:
         if _client is None:
             import docker
 
-            base = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-            _client = docker.DockerClient(base_url=base, timeout=120, max_pool_size=128)
+            _client = docker.DockerClient(base_url=_base_url(), timeout=120, max_pool_size=128)
         return _client
+
+
+def _quick_api() -> Any:
+    """A low-level client whose calls give up after PROBE_TIMEOUT (raises where no daemon answers)."""
+    global _quick
+    if _quick is None:
+        import docker
+
+        api = docker.APIClient(base_url=_base_url(), version=docker_client().api.api_version,
+                               timeout=PROBE_TIMEOUT, max_pool_size=128)
+        with _client_lock:
+            _quick = _quick or api
+    return _quick
 
 
 def docker_available(timeout: float = 2.0) -> bool:
@@ -57,8 +77,7 @@ def docker_available(timeout: float = 2.0) -> bool:
     try:
         import docker
 
-        base = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-        c = docker.DockerClient(base_url=base, timeout=timeout)
+        c = docker.DockerClient(base_url=_base_url(), timeout=timeout)
         try:
             ok = bool(c.ping())
         finally:
@@ -127,6 +146,7 @@ class DockerSandbox(AgentSandbox):
         super().__init__(image or DEFAULT_IMAGE, limits or SandboxLimits(), labels, env)
         self._state = STATE_ROOT / "docker" / self.id
         self._sock: socket.socket | None = None
+        self._name: str | None = None  # set just before the container is created
         self.container_id: str | None = None
         self._cg: _cgroup.Cgroup | None = None
         _sweep_once()
@@ -161,9 +181,10 @@ class DockerSandbox(AgentSandbox):
             os.chmod(self._state / "agent.sock", 0o666)  # the non-root user inside must connect
             srv.listen(1)
             cfg = self._agent_config(connect="/run/rl/agent.sock")
+            self._name = f"rl-sb-{self.id}"
             try:
                 self.container_id = _create_and_start(self.image, ["python3", "-I", "-S", "/run/rl/agent.py", cfg],
-                                                      f"rl-sb-{self.id}", self.docker_labels(), lim, self._state)
+                                                      self._name, self.docker_labels(), lim, self._state)
             except docker.errors.ImageNotFound:
                 raise SandboxError(f"docker image {self.image!r} not found: build it with `rl sandbox build-image`") from None
             except docker.errors.APIError as e:
@@ -227,25 +248,52 @@ class DockerSandbox(AgentSandbox):
     def _spawn_like(self, labels: Mapping[str, str]) -> "DockerSandbox":
         return DockerSandbox(self.image, self.limits, labels, self._env)
 
-    def _teardown(self) -> None:
+    def _why_lost(self) -> str | None:
+        """The agent's connection dropped: ask the daemon what became of the container."""
         import docker.errors
 
+        if self._name is None or time.monotonic() >= self._ttl_end:
+            return None  # its lifetime ran out: the agent exited on its own
+        what = f"docker sandbox {self.id} lost"
+        try:
+            state = _quick_api().inspect_container(self._name)["State"]
+        except docker.errors.NotFound:
+            return f"{what}: its container is gone (the Docker daemon restarted, or the container was removed)"
+        except Exception:  # refused, no socket, timed out
+            return f"{what}: the Docker daemon is not answering (it stopped or is restarting) and its container is gone"
+        if state.get("Status") == "running":
+            return None  # the container runs: the agent itself failed
+        return (f"{what}: its container is gone ({state.get('Status')}, exit code {state.get('ExitCode')}; "
+                "the Docker daemon restarted, or the container was stopped)")
+
+    def _teardown(self) -> None:
         if self._sock is not None:
             try:
                 self._sock.close()  # the agent exits on EOF; auto-remove deletes the container
             except OSError:
                 pass
-        if self.container_id is not None:
-            try:
-                docker_client().api.remove_container(self.container_id, force=True)
-            except docker.errors.NotFound:
-                pass  # already auto-removed
-            except docker.errors.APIError:  # auto-remove is removing it: closed means gone, so wait
-                _wait_removed(self.container_id)
+        # by name: a start the daemon cut short may have created the container without telling us its id
+        if self._name is not None and not _remove(self._name):
+            _remove_later(self._name)  # the daemon is down or restarting: remove it once it answers
         shutil.rmtree(self._state, ignore_errors=True)
 
 
-def _wait_removed(container_id: str, timeout: float = 10.0) -> None:
+def _remove(name: str) -> bool:
+    """Force-remove a container; True once it is gone, False where the daemon did not answer in time."""
+    import docker.errors
+
+    try:
+        _quick_api().remove_container(name, force=True)
+    except docker.errors.NotFound:
+        pass  # already auto-removed
+    except docker.errors.APIError:  # auto-remove is removing it: closed means gone, so wait
+        return _wait_removed(name)
+    except Exception:  # refused, no socket, timed out: the daemon is down or restarting
+        return False
+    return True
+
+
+def _wait_removed(name: str, timeout: float = 10.0) -> bool:
     """Until Docker has finished removing the container (a removal already in progress), at most
     `timeout` seconds: whoever closed the sandbox may remove its image next."""
     import docker.errors
@@ -253,10 +301,45 @@ def _wait_removed(container_id: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            docker_client().api.inspect_container(container_id)
+            _quick_api().inspect_container(name)
         except docker.errors.NotFound:
-            return
+            return True
+        except Exception:
+            return False
         time.sleep(0.05)
+    return False
+
+
+_orphans: set[str] = set()  # containers closed while the daemon was not answering
+_orphans_lock = threading.Lock()
+_reaper: threading.Thread | None = None
+
+
+def _remove_later(name: str) -> None:
+    """Remove a container once the daemon answers again (its owner lives on, so `gc` would not)."""
+    global _reaper
+    with _orphans_lock:
+        _orphans.add(name)
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap_orphans, name="sandbox-docker-reaper", daemon=True)
+            _reaper.start()
+
+
+def _reap_orphans() -> None:
+    global _reaper
+    while True:
+        time.sleep(1.0)
+        with _orphans_lock:
+            names = list(_orphans)
+        for name in names:
+            if not _remove(name):
+                break  # still not answering: try them all again in a second
+            with _orphans_lock:
+                _orphans.discard(name)
+        with _orphans_lock:
+            if not _orphans:
+                _reaper = None
+                return
 
 
 def sandbox_containers(label: str = f"{LABEL}=1") -> list[dict[str, Any]]:
