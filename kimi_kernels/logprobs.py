@@ -9,11 +9,17 @@ block's logits in the backward pass:
     z = scale * h W^T,  logp_i = z_i[t_i] - logsumexp(z_i),  H_i = logsumexp(z_i) - sum_j p_ij z_ij
     d logp_i / d z_i = onehot(t_i) - p_i  ->  dh = scale * dz W,  dW = scale * dz^T h
 
-Peak extra memory is one block of float32 logits instead of several full copies.
+Peak extra memory is one block of float32 logits instead of several full copies. What a block
+does between its GEMMs (the log-sum-exp, the target's logit, the entropy; the logits' gradient) is
+one fused chain on CUDA (kimi_kernels/fusion.py): run op by op it streamed a float32 copy of the
+block's logits through memory about ten times a pass, half the learner step of a Kimi-Linear-shaped
+model at 8K tokens (2026-12-06, H100 profile in benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
 import torch
+
+from .fusion import fused_on_cuda
 
 __all__ = ["linear_token_logprobs"]
 
@@ -31,6 +37,27 @@ def _acc(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+@fused_on_cuda
+def block_statistics(z: Tensor, targets: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """A block's head output z [r, V] (h's dtype) and its targets [r]: (logsumexp, log p(target),
+    entropy) of softmax(scale * z), each [r] in the accumulation dtype."""
+    z = z.to(_acc(z)) * scale
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
+    p = torch.exp(z - lse[:, None])
+    return lse, logp, lse - (p * z).sum(-1)
+
+
+@fused_on_cuda
+def block_logit_grad(z: Tensor, lse: Tensor, targets: Tensor, grad_logp: Tensor, scale: float) -> Tensor:
+    """The gradient of sum_i grad_logp_i * log p_i(target_i) with respect to a block's head output z
+    [r, V]: scale * grad_logp_i * (onehot(target_i) - p_i), in z's dtype."""
+    acc = _acc(z)
+    p = torch.exp(z.to(acc) * scale - lse[:, None])
+    hit = torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]
+    return ((hit.to(acc) - p) * (grad_logp.to(acc) * scale)[:, None]).to(z.dtype)
+
+
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, scale: float, rows: int) -> tuple[Tensor, Tensor]:
@@ -40,11 +67,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         entropy = torch.empty(n, dtype=acc, device=h.device)
         lse = torch.empty(n, dtype=acc, device=h.device)
         for a in range(0, n, rows):
-            z = (h[a:a + rows] @ weight.t()).to(acc) * scale
-            lse[a:a + rows] = torch.logsumexp(z, dim=-1)
-            logp[a:a + rows] = z.gather(1, targets[a:a + rows, None]).squeeze(1) - lse[a:a + rows]
-            p = torch.exp(z - lse[a:a + rows, None])
-            entropy[a:a + rows] = lse[a:a + rows] - (p * z).sum(-1)
+            lse[a:a + rows], logp[a:a + rows], entropy[a:a + rows] = block_statistics(
+                h[a:a + rows] @ weight.t(), targets[a:a + rows], scale)
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.scale, ctx.rows = scale, rows
         ctx.mark_non_differentiable(entropy)
@@ -54,17 +78,13 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
         h, weight, targets, lse = ctx.saved_tensors
         scale, rows = ctx.scale, ctx.rows
-        acc = lse.dtype
         dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         # blocks add into dW in place (a temporary [V, d] per block would cost a full weight's memory);
         # each block's GEMM accumulates in fp32, the sum over blocks is in the weight's dtype
         dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for a in range(0, h.shape[0], rows):
             hb = h[a:a + rows]
-            z = (hb @ weight.t()).to(acc) * scale
-            dz = -torch.exp(z - lse[a:a + rows, None])  # -p
-            dz.scatter_add_(1, targets[a:a + rows, None], torch.ones_like(dz[:, :1]))  # + onehot
-            dz = (dz * (grad_logp[a:a + rows, None].to(acc) * scale)).to(h.dtype)
+            dz = block_logit_grad(hb @ weight.t(), lse[a:a + rows], targets[a:a + rows], grad_logp[a:a + rows], scale)
             if dh is not None:
                 dh[a:a + rows] = dz @ weight
             if dw is not None:

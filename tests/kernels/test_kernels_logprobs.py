@@ -62,3 +62,35 @@ def test_bad_shapes_fail_with_one_line_messages():
         with pytest.raises(ValueError, match=what) as e:
             linear_token_logprobs(*args)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_the_compiled_block_chains_equal_the_full_logits_path(monkeypatch, backend):
+    """The per-block chains as CUDA runs them (compiled, kimi_kernels/fusion.py), here on the CPU:
+    float32 values and gradients of the full-logits path, two block sizes (two compiled shapes)."""
+    import kimi_kernels.fusion as fusion
+    import kimi_kernels.logprobs as lp
+
+    monkeypatch.setattr(fusion, "_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(fusion, "_BACKEND", backend)
+    monkeypatch.setattr(lp, "block_statistics", fusion.fused_on_cuda(lp.block_statistics.__wrapped__))
+    monkeypatch.setattr(lp, "block_logit_grad", fusion.fused_on_cuda(lp.block_logit_grad.__wrapped__))
+    torch._dynamo.reset()
+    prev = fusion.set_fusion(True)
+    try:
+        g = torch.Generator().manual_seed(3)
+        h = torch.randn(13, 8, generator=g, requires_grad=True)
+        w = torch.randn(40, 8, generator=g, requires_grad=True)
+        t = torch.randint(0, 40, (13,), generator=g)
+        for rows in (5, 13):
+            logp, ent = linear_token_logprobs(h, w, t, scale=1 / 0.7, block_rows=rows)
+            ref_logp, ref_ent = _reference(h, w, t, 1 / 0.7)
+            torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent, ref_ent.detach().float(), rtol=1e-5, atol=1e-5)
+            upstream = torch.randn(13, generator=g)
+            got, want = torch.autograd.grad(logp, (h, w), upstream), torch.autograd.grad(ref_logp, (h, w), upstream)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b.float(), rtol=1e-4, atol=1e-5)
+    finally:
+        fusion.set_fusion(prev)
+        torch._dynamo.reset()
