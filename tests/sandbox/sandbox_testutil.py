@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -29,3 +31,13 @@ def use_unshare_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("the unshare fallback needs util-linux unshare and root")
     monkeypatch.setenv("RL_SANDBOX_NO_BWRAP", "1")
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Whether `cond()` came true within `timeout` seconds (asked every `interval`, and once more at the end)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(interval)
+    return cond()

@@ -26,7 +26,7 @@ import sandbox
 from sandbox import SandboxDead, SandboxPool
 from sandbox.docker_backend import gc_docker_sandboxes, sandbox_containers
 from sandbox.owner import STATE_ROOT
-from sandbox_testutil import RUN
+from sandbox_testutil import RUN, wait_for
 
 pytestmark = pytest.mark.timeout(180)  # a hang fails the test instead of the session
 
@@ -34,15 +34,6 @@ START = Path(__file__).resolve().parents[2] / ".ci" / "start-docker.sh"
 CMDLINE = b"dockerd\0--storage-driver=overlay2\0"  # what start-docker.sh runs
 SOCK = "unix:///var/run/docker.sock"
 PROMPT = 10.0  # seconds a call on a dead sandbox, or a close, may take (the daemon is asked at most 5 s)
-
-
-def _wait(cond: Callable[[], bool], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 def _answering() -> bool:
@@ -70,17 +61,17 @@ class Dockerd:
         pid = self.pid
         assert pid is not None, "no dockerd to stop"
         os.kill(pid, signal.SIGTERM)
-        assert _wait(lambda: not Path(f"/proc/{pid}").exists(), 60), "dockerd did not exit within 60 s of SIGTERM"
+        assert wait_for(lambda: not Path(f"/proc/{pid}").exists(), 60), "dockerd did not exit within 60 s of SIGTERM"
 
     def start(self) -> None:
         subprocess.run(["bash", str(START)], capture_output=True, timeout=120)
-        assert _wait(_answering, 30), "dockerd did not answer again (see /var/log/dockerd.log)"
+        assert wait_for(_answering, 30), "dockerd did not answer again (see /var/log/dockerd.log)"
 
     def ensure_answering(self) -> None:
         pid = self.pid
         if pid is not None:
             os.kill(pid, signal.SIGCONT)  # a test that held it stopped and failed
-            if _wait(_answering, 10):
+            if wait_for(_answering, 10):
                 return
             self.stop()
         self.start()
@@ -178,7 +169,7 @@ def restart(dockerd: Dockerd) -> Iterator[dict[str, Any]]:
         for sb in opened:
             sb.close()
         pool.close()
-        _wait(lambda: not sandbox_containers(f"rl.run={run}"), 15)
+        wait_for(lambda: not sandbox_containers(f"rl.run={run}"), 15)
         seen["containers_left"] = [c["Names"] for c in sandbox_containers(f"rl.run={run}")]
         seen["state_dirs_left"] = [sb.id for sb in opened if (STATE_ROOT / "docker" / sb.id).exists()]
         yield seen
@@ -248,7 +239,7 @@ def test_a_daemon_that_does_not_answer_never_hangs_a_sandbox(dockerd: Dockerd):
         assert ran.error is None and ran.value.stdout == "still here\n"  # commands never go through the daemon
         assert not closing.hung, "close() hung on a daemon that does not answer"
         assert closing.error is None, f"close(): {closing.error!r}"
-        assert _wait(lambda: not sandbox_containers(f"rl.run={run}"), 15)
+        assert wait_for(lambda: not sandbox_containers(f"rl.run={run}"), 15)
         assert not (STATE_ROOT / "docker" / sb.id).exists()
     finally:
         sb.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import sandbox
-from sandbox_testutil import RUN, host_pids
+from sandbox_testutil import RUN, host_pids, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,15 +29,6 @@ sb.exec("sleep 600")  # killed while an exec is in flight
 """
 
 
-def _wait(cond, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
 def test_killed_owner_leaves_no_container_or_process(backend: str):
     marker = str(600000 + uuid.uuid4().int % 99999)
     code = OWNER.format(repo=str(REPO), backend=backend, run=RUN, marker=marker)
@@ -47,21 +38,21 @@ def test_killed_owner_leaves_no_container_or_process(backend: str):
         line = owner.stdout.readline().decode().strip()  # type: ignore[union-attr]
         assert line, owner.stderr.read().decode()  # type: ignore[union-attr]
         sb_id = line
-        assert _wait(lambda: len(host_pids(f"sleep\0{marker}")) >= 2, 5)
+        assert wait_for(lambda: len(host_pids(f"sleep\0{marker}")) >= 2, 5)
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait(10)
     finally:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
-    assert _wait(lambda: not host_pids(f"sleep\0{marker}"), 15), "sandboxed processes outlived their owner"
+    assert wait_for(lambda: not host_pids(f"sleep\0{marker}"), 15), "sandboxed processes outlived their owner"
     if backend == "docker":
         from sandbox.docker_backend import sandbox_containers
 
         def gone() -> bool:
             return not sandbox_containers(f"rl.id={sb_id}")
 
-        assert _wait(gone, 15), "container outlived its owner"
+        assert wait_for(gone, 15), "container outlived its owner"
         from sandbox.docker_backend import gc_docker_sandboxes
         from sandbox.owner import STATE_ROOT
 
