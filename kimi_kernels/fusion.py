@@ -61,6 +61,9 @@ def fused_on_cuda(fn: F) -> F:
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _VARIANTS_LIMIT)
             # not fullgraph: past the recompile limit Dynamo then runs fn eagerly instead of raising
             compiled = torch.compile(fn, dynamic=True, backend=_BACKEND)
-        return compiled(*map(aligned, args), **{name: aligned(v) for name, v in kwargs.items()})
+        # a chain the compiler fails on (a torch or driver version it was never tried with) runs eagerly,
+        # the failure in dynamo's warning on the console, rather than ending the run
+        with torch._dynamo.config.patch(suppress_errors=True):
+            return compiled(*map(aligned, args), **{name: aligned(v) for name, v in kwargs.items()})
 
     return dispatch  # type: ignore[return-value]

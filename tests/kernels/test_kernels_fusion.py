@@ -113,3 +113,25 @@ def test_a_fused_op_stays_compiled_past_dynamos_default_limit(monkeypatch):
     finally:
         set_fusion(prev)
         torch._dynamo.reset()
+
+
+def test_a_chain_the_compiler_fails_on_runs_eagerly(monkeypatch):
+    """A compiler that raises (a torch or driver version the chain was never tried with): the fused op
+    gives the reference's result instead of ending the run."""
+    import kimi_kernels.fusion as fusion
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("this compiler cannot")
+
+    monkeypatch.setattr(fusion, "_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(fusion, "_BACKEND", failing_backend)
+    norm = fused_on_cuda(rms_norm.__wrapped__)
+    torch._dynamo.reset()
+    prev = set_fusion(True)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(3, 8, generator=g), torch.randn(8, generator=g)
+        torch.testing.assert_close(norm(x, w, 1e-6), rms_norm.__wrapped__(x, w, 1e-6))
+    finally:
+        set_fusion(prev)
+        torch._dynamo.reset()
