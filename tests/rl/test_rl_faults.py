@@ -214,8 +214,9 @@ def test_a_stalled_grader_is_replaced_and_the_run_goes_on(tmp_path, ray_session)
     assert counted(run_dir, "rollout/failed_groups") == 0, f"FAULT_SEED={SEED}"
     text = " ".join(out.output.split())
     assert re.search(r"step \d+: \d+ grader actor\(s\) died or hung and were replaced", text), text
-    gone = not stalled.is_running() or stalled.status() == psutil.STATUS_ZOMBIE
-    assert gone, f"the stalled grader (pid {stalled.pid}) outlived the run (FAULT_SEED={SEED})"
+    # Ray kills an actor that cannot answer its exit request only after a grace period: bounded, not never
+    wait_until(lambda: not stalled.is_running() or stalled.status() == psutil.STATUS_ZOMBIE,
+               f"the stalled grader (pid {stalled.pid}) gone after the run", timeout_s=90)
 
 
 # -- a run that cannot go on: one line, then --resume -----------------------------------------------------
