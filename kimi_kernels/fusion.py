@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -61,9 +62,15 @@ def fused_on_cuda(fn: F) -> F:
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _VARIANTS_LIMIT)
             # not fullgraph: past the recompile limit Dynamo then runs fn eagerly instead of raising
             compiled = torch.compile(fn, dynamic=True, backend=_BACKEND)
-        # a chain the compiler fails on (a torch or driver version it was never tried with) runs eagerly,
-        # the failure in dynamo's warning on the console, rather than ending the run
-        with torch._dynamo.config.patch(suppress_errors=True):
+        try:
             return compiled(*map(aligned, args), **{name: aligned(v) for name, v in kwargs.items()})
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            # a chain the compiler fails on (a torch or driver version it was never tried with) runs
+            # eagerly from now on, said once, rather than ending the run; a try costs nothing on the
+            # hot path (a dynamo config patch around each call cost ~85 us)
+            warnings.warn(f"{fn.__qualname__}: compiling it failed, running it unfused "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})", stacklevel=2)
+            compiled = fn
+            return fn(*args, **kwargs)
 
     return dispatch  # type: ignore[return-value]
