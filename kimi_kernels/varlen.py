@@ -83,12 +83,12 @@ def length_buckets(lengths: Sequence[int], slack: float = PAD_SLACK,
     return buckets
 
 
-def repad_buckets(index: Tensor, real: Tensor, lengths: Sequence[int],
-                  slack: float = PAD_SLACK) -> list[tuple[Tensor, Tensor]]:
-    """repad_index's rows (index, real [N, L]; row n holds `lengths[n]` tokens from its start) cut
-    into length_buckets: [(index_b, real_b)], each [N_b, L_b] with L_b its bucket's longest."""
+def repad_buckets(index: Tensor, real: Tensor, cu_seqlens: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """repad_index's rows (index, real [N, L]; row n holds sequence n of cu_seqlens from its start)
+    cut into length_buckets: [(index_b, real_b)], each [N_b, L_b] with L_b its bucket's longest."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     out = []
-    for rows in length_buckets(lengths, slack):
+    for rows in length_buckets(lengths):
         longest = lengths[rows[0]]
         pick = torch.tensor(rows, device=index.device)
         out.append((index[pick, :longest], real[pick, :longest]))

@@ -96,7 +96,7 @@ class HFPolicy(nn.Module):
                 index, owned = repad_index(cu_seqlens)
             else:
                 ids, positions, index, owned = tree.ids[None], tree.positions[None], tree.index, tree.owned
-            repad = repad_buckets(index, owned, (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+            repad = repad_buckets(index, owned, cu_seqlens)
             with _attention_implementation(self.hf.config, PACKED_ATTENTION):
                 h = self.hf.base_model(input_ids=ids, position_ids=positions, use_cache=False,
                                        kimi_repad=repad).last_hidden_state

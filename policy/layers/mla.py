@@ -224,10 +224,9 @@ class MLAMixer(nn.Module):
         as a padded batch; the indexer loss is the mean over every bucket's real queries."""
         check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], "MLA")
         index, real = repad_index(cu_seqlens)
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         y = x.new_zeros(x.shape[1], self.o_proj.out_features)
         loss_sum, queries = None, 0
-        for index_b, real_b in repad_buckets(index, real, lengths):
+        for index_b, real_b in repad_buckets(index, real, cu_seqlens):
             counted = real_b if token_mask is None else real_b & to_padded(token_mask, index_b)
             y_b, _, loss_b = self.forward(to_padded(x, index_b), None, False, indexer_loss, counted)
             y = to_packed(y_b, index_b, real_b, y)

@@ -105,7 +105,7 @@ def test_repadding_by_buckets_round_trips():
     index, real = repad_index(cu(lengths))
     out = torch.zeros(104, 1)
     slots = 0
-    for index_b, real_b in repad_buckets(index, real, lengths):
+    for index_b, real_b in repad_buckets(index, real, cu(lengths)):
         out = to_packed(to_padded(x, index_b), index_b, real_b, out)
         slots += index_b.numel()
     assert torch.equal(out[None], x)
