@@ -90,17 +90,22 @@ def stop_if_hung(thread: threading.Thread, tmp_path: Path, join: bool = True) ->
         thread.join(timeout=300)
 
 
-def ray_processes(root: int, title: str) -> list[psutil.Process]:
-    """The processes of Ray actors of class `title` under process `root` (Ray's workers are children
-    of its raylet, a child of the driver that started the cluster)."""
+def titled_children(root: int) -> list[tuple[psutil.Process, str]]:
+    """The processes under `root` with their titles, those still there when read (one may exit meanwhile)."""
     found = []
     for p in psutil.Process(root).children(recursive=True):
         try:
-            if p.cmdline() and p.cmdline()[0].startswith(f"ray::{title}"):
-                found.append(p)
+            if p.cmdline():
+                found.append((p, p.cmdline()[0]))
         except psutil.NoSuchProcess:
             pass
     return found
+
+
+def ray_processes(root: int, title: str) -> list[psutil.Process]:
+    """The processes of Ray actors of class `title` under process `root` (Ray's workers are children
+    of its raylet, a child of the driver that started the cluster)."""
+    return [p for p, name in titled_children(root) if name.startswith(f"ray::{title}")]
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -282,8 +287,8 @@ def inject(stop: str, run_dir: Path, at: int, rng: random.Random, driver: int, a
             send(signal.SIGINT, driver, alive)
         else:
             learners = ray_processes(driver, "Learner")
-            titles = sorted({p.cmdline()[0] for p in psutil.Process(driver).children(recursive=True) if p.cmdline()})
-            assert learners, f"no learner process under pid {driver}: {titles}"
+            # the titles only for the message: read when it fails (a child may exit while they are read)
+            assert learners, f"no learner process under pid {driver}: {sorted({name for _, name in titled_children(driver)})}"
             for learner in learners:
                 learner.kill()
 
