@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-__all__ = ["aligned", "fused_on_cuda", "set_fusion"]
+__all__ = ["aligned", "fused_on_cuda", "runs_fused", "set_fusion"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _enabled = os.environ.get("KIMI_FUSED_OPS", "1") != "0"
@@ -41,6 +41,11 @@ def aligned(value: Any) -> Any:
     return value
 
 
+def runs_fused(x: torch.Tensor) -> bool:
+    """Whether a fused op given `x` as its main tensor runs the compiled copy."""
+    return _enabled and x.device.type in _DEVICE_TYPES
+
+
 def set_fusion(enabled: bool) -> bool:
     """Turn the compiled CUDA versions on or off; returns the previous setting."""
     global _enabled
@@ -55,7 +60,7 @@ def fused_on_cuda(fn: F) -> F:
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
         x = args[0]  # every fused op takes its main tensor first
-        if not (_enabled and x.device.type in _DEVICE_TYPES) or torch.compiler.is_compiling():
+        if not runs_fused(x) or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if compiled is None:
             dynamo_config = torch._dynamo.config

@@ -94,3 +94,22 @@ def test_the_compiled_block_chains_equal_the_full_logits_path(monkeypatch, backe
     finally:
         fusion.set_fusion(prev)
         torch._dynamo.reset()
+
+
+def test_a_fused_block_holds_twice_the_rows_of_an_unfused_one(monkeypatch):
+    """Unfused, a block materialises float32 copies of its logits; fused, only its logits and their
+    gradient in h's dtype: the default block doubles where the chains run compiled."""
+    import kimi_kernels.fusion as fusion
+    import kimi_kernels.logprobs as lp
+
+    h = torch.zeros(2, 8)
+    prev = fusion.set_fusion(True)
+    try:
+        assert lp._block_rows(h, 163_840, None) == 409
+        monkeypatch.setattr(fusion, "_DEVICE_TYPES", ("cuda", "cpu"))
+        assert lp._block_rows(h, 163_840, None) == 819
+        assert lp._block_rows(h, 163_840, 7) == 7
+        fusion.set_fusion(False)
+        assert lp._block_rows(h, 163_840, None) == 409
+    finally:
+        fusion.set_fusion(prev)
