@@ -1,7 +1,10 @@
 """Tool use: a `search` tool over a small local corpus; graded on the final answer (exact match).
 
 Two corpora, both generated deterministically from a seed (nothing to download):
-- kind="keys": entries "amber-fox: 4821"; the prompt names the key (toy level, learnable by copying);
+- kind="keys": entries "amber-fox: 482"; the prompt names the key (toy level, learnable by copying).
+  With values_per_key > 1 each key is the subject of that many tasks, each holding its own value for
+  it (the search tool answers from the episode's task): the same prompt has several answers, so a
+  policy must read the value from the tool; it cannot learn the answers by heart;
 - kind="docs": short articles about fictional towns; the question asks for one fact.
 A JSONL corpus of {"id", "text", "question", "answer"} rows can be used instead (corpus_file).
 """
@@ -72,16 +75,22 @@ def _docs_corpus(seed: int) -> list[dict[str, str]]:
 
 
 class LookupEnv(Environment):
-    """Look facts up with `search` and answer. Knobs: kind ("keys" | "docs"), n_train, n_heldout, top_k, seed."""
+    """Look facts up with `search` and answer. Knobs: kind ("keys" | "docs"), n_train, n_heldout, top_k, seed,
+    values_per_key (keys only)."""
 
     name = "lookup"
     domain = "tool_use"
     max_turns = 3
 
     def __init__(self, kind: str = "keys", n_train: int = 400, n_heldout: int = 100, top_k: int = 3,
-                 seed: int = 0, corpus_file: str | None = None, **kwargs: Any) -> None:
+                 seed: int = 0, corpus_file: str | None = None, values_per_key: int = 1, **kwargs: Any) -> None:
         if kind not in ("keys", "docs"):
             raise ValueError(f"lookup: unknown kind {kind!r}; expected 'keys' or 'docs'")
+        if not 1 <= int(values_per_key) <= 8:
+            raise ValueError(f"lookup: values_per_key must be between 1 and 8, got {values_per_key}")
+        if int(values_per_key) > 1 and (kind != "keys" or corpus_file):
+            raise ValueError("lookup: values_per_key applies to the generated keys corpus (kind='keys', no corpus_file)")
+        self.values_per_key = int(values_per_key)
         check_counts("lookup", n_train, n_heldout)
         if top_k < 1:
             raise ValueError(f"lookup: top_k must be at least 1, got {top_k}")
@@ -131,6 +140,9 @@ class LookupEnv(Environment):
     def search(self, query: str) -> str:
         """Exact id match first, then entries ranked by shared words (ties by corpus order)."""
         q = normalise(query)
+        task = self._task
+        if self.values_per_key > 1 and task is not None and q == task["key"]:
+            return f"{task['key']}: {task['answer']}"  # the value this task holds for its key
         by_id = self._loaded()[1]
         if q in by_id:
             return by_id[q]["text"]
@@ -146,6 +158,8 @@ class LookupEnv(Environment):
         return "\n".join(text for _, _, text in scored[: self.top_k]) or "no results"
 
     def build_tasks(self) -> Any:
+        if self.values_per_key > 1:
+            return self._tasks_with_values_per_key()
         rows = list(self.corpus)
         rng = random.Random(f"lookup/tasks/{self.kind}/{self.seed}")
         rng.shuffle(rows)
@@ -159,6 +173,25 @@ class LookupEnv(Environment):
                           "answer": answer, "key": row["id"]})
         n_held = min(self.n_heldout, len(tasks) // 5)
         return {"train": tasks[: len(tasks) - n_held], "heldout": tasks[len(tasks) - n_held:]}
+
+    def _tasks_with_values_per_key(self) -> dict[str, list[dict[str, Any]]]:
+        """values_per_key tasks a key, each with its own distinct value; held-out keys are never trained on."""
+        v = self.values_per_key
+        rng = random.Random(f"lookup/tasks/keys/{self.seed}/{v}")
+        keys = [row["id"] for row in self.corpus]
+        rng.shuffle(keys)
+        n_keys = min(len(keys), -(-(self.n_train + self.n_heldout) // v))
+        n_held_keys = min(-(-self.n_heldout // v), n_keys // 5)
+        splits: dict[str, list[dict[str, Any]]] = {"train": [], "heldout": []}
+        for i, key in enumerate(keys[:n_keys]):
+            for j, value in enumerate(rng.sample(range(100, 1000), v)):
+                splits["heldout" if i < n_held_keys else "train"].append({
+                    "task_id": f"lookup-keys-{self.seed}-{key}-v{j}", "question": f"Find the value of {key}.",
+                    "answer": str(value), "key": key})
+        for split, n in (("train", self.n_train), ("heldout", self.n_heldout)):
+            rng.shuffle(splits[split])
+            del splits[split][n:]
+        return splits
 
     def prompt(self, task: dict[str, Any]) -> str:
         return task["question"]

@@ -14,7 +14,8 @@ from envs.gate_episodes import reference_policy, run_episode
 PROC = {"sandbox_backend": "process"}
 BUILTINS = [
     ("math", {}), ("math-word", {}), ("math", {"kind": "fractions", "max_operand": 9}),
-    ("lookup", {}), ("lookup-docs", {}),
+    ("lookup", {}), ("lookup-docs", {}), ("lookup", {"values_per_key": 3}),
+    ("multihop", {}), ("multihop", {"paths_per_start": 3}),
     ("code", PROC), ("code-generated", PROC), ("humaneval", PROC),
     ("shell", PROC), ("shell-fix-test", PROC), ("shell-sqlite", PROC),
 ]
@@ -26,7 +27,7 @@ def _play(env, task_id, actions):
     return env.grader(ep.request.payload)
 
 
-@pytest.mark.parametrize("name, kwargs", BUILTINS, ids=[f"{n}-{k.get('kind', '')}" for n, k in BUILTINS])
+@pytest.mark.parametrize("name, kwargs", BUILTINS, ids=[f"{n}-{k.get('kind', '')}{''.join(f'-{x}' for x in k if x != 'kind' and x != 'sandbox_backend')}" for n, k in BUILTINS])
 def test_reference_passes_and_null_fails(name, kwargs):
     env = envs.make(name, **kwargs)
     try:
@@ -46,6 +47,50 @@ def test_toy_defaults_are_big_enough_and_references_short(name, kwargs):
     for task_id in env.dataset("train")["task_id"][:50]:
         for turn in env.reference_actions(task_id):
             assert len(turn) <= 110, turn  # roughly <= 40 BPE tokens for a small tokenizer
+
+
+def test_a_key_with_several_values_is_answered_from_each_tasks_own():
+    """values_per_key: one prompt, several answers (so none can be learned by heart); the search tool
+    answers from the episode's task, and held-out keys are never trained on."""
+    env = envs.make("lookup", values_per_key=3, n_train=60, n_heldout=12)
+    train, held = env.dataset("train"), env.dataset("heldout")
+    assert len(train) == 60 and len(held) == 12 and not set(train["key"]) & set(held["key"])
+    by_key: dict[str, list[dict]] = {}
+    for row in train:
+        by_key.setdefault(row["key"], []).append(row)
+    a, b = next(rows for rows in by_key.values() if len(rows) >= 2)[:2]
+    assert a["question"] == b["question"] and a["answer"] != b["answer"]
+    for task in (a, b):
+        env.reset(seed=0, options={"task_id": task["task_id"]})
+        assert env.search(task["key"]) == f"{task['key']}: {task['answer']}"
+    # the other task's answer is wrong here
+    assert not _play(env, a["task_id"], env.reference_actions(b["task_id"])).passed
+    assert _play(env, a["task_id"], env.reference_actions(a["task_id"])).passed
+
+
+def test_a_start_key_leads_along_each_tasks_own_path():
+    env = envs.make("multihop", max_hops=3, paths_per_start=2, n_train=200, n_heldout=12)
+    train = env.dataset("train")
+    starts: dict[str, list[dict]] = {}
+    for row in train:
+        starts.setdefault(row["start"], []).append(row)
+    a, b = next(rows for rows in starts.values() if len(rows) == 2 and rows[0]["path"] != rows[1]["path"])
+    for task in (a, b):
+        env.reset(seed=0, options={"task_id": task["task_id"]})
+        hop = env.search(task["start"])
+        want = f"go to {task['path'][1]}" if task["hops"] > 1 else task["answer"]
+        assert hop == f"{task['start']}: {want}"
+        assert _play(env, task["task_id"], env.reference_actions(task["task_id"])).passed
+
+
+@pytest.mark.parametrize("name, kwargs, what", [
+    ("lookup", {"values_per_key": 0}, "values_per_key"), ("lookup", {"values_per_key": 9}, "values_per_key"),
+    ("lookup-docs", {"values_per_key": 2}, "values_per_key"), ("multihop", {"paths_per_start": 0}, "paths_per_start"),
+])
+def test_bad_repetition_knobs_fail_with_one_line(name, kwargs, what):
+    with pytest.raises(ValueError, match=what) as e:
+        envs.make(name, **kwargs)
+    assert "\n" not in str(e.value)
 
 
 def test_datasets_are_deterministic_from_the_seed():

@@ -184,6 +184,28 @@ def test_multihop_references_reason_more_at_higher_levels_and_pass_the_gate():
     assert check_env("multihop", {}, max_tasks=4).ok
 
 
+def test_low_effort_hops_makes_the_low_reference_answer_within_its_hops():
+    """low_effort_hops=1: at low the reference searches once and answers with where that led (short
+    enough for a budget of one hop); a 1-hop task and every other level keep the whole path."""
+    import envs
+    from envs.quality import check_env
+
+    env = envs.make("multihop", max_hops=3, low_effort_hops=1)
+    three = next(t for t in env.dataset("train") if t["hops"] == 3)
+    one = next(t for t in env.dataset("train") if t["hops"] == 1)
+    env.reset(seed=0, options={"task_id": three["task_id"], "effort": "low"})
+    refs = env.reference_actions(three["task_id"])
+    assert refs == [format_tool_call("search", {"query": three["path"][0]}), f"The answer is {three['path'][1]}."]
+    env.reset(seed=0, options={"task_id": one["task_id"], "effort": "low"})
+    assert env.reference_actions(one["task_id"])[-1] == f"The answer is {one['answer']}."
+    for level in ("medium", "high", "max"):
+        env.reset(seed=0, options={"task_id": three["task_id"], "effort": level})
+        assert env.reference_actions(three["task_id"])[-1].endswith(f"The answer is {three['answer']}.")
+    with pytest.raises(ValueError, match="low_effort_hops"):
+        envs.make("multihop", max_hops=3, low_effort_hops=4)
+    assert check_env("multihop", {"max_hops": 3, "low_effort_hops": 1}, max_tasks=4).ok
+
+
 def episode(uid: str, effort: str, reward: float, tokens: int, budget: int, reasoning: int = 0,
             segment_tokens: list[int] | None = None, forced: int = 0, cut: bool = False) -> list[Sample]:
     """A hand-built episode: one sample per segment, `tokens` generated in all."""
