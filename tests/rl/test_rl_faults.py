@@ -279,7 +279,11 @@ def inject(stop: str, run_dir: Path, at: int, rng: random.Random, driver: int, a
         send(signal.SIGTERM, driver, alive)
     elif stop == "disk":
         whole = run_dir / "checkpoints" / f"step_{at}"
-        wait_until(lambda: (whole / "manifest.json").exists(), f"checkpoint {at}", alive=alive)
+        # whole and the checkpoints before the kept two removed: a fill that came between the manifest
+        # and that removal got back the removed checkpoint's room, and no later checkpoint failed
+        wait_until(lambda: (whole / "manifest.json").exists() and all(
+            int(p.name[5:]) >= at - 1 for p in (run_dir / "checkpoints").glob("step_*")), f"checkpoint {at}",
+            alive=alive)
         fill(run_dir.parents[1], sum(p.stat().st_size for p in whole.rglob("*") if p.is_file()) // 2)
     else:
         time.sleep(rng.uniform(0.0, 1.0))

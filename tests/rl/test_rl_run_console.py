@@ -106,9 +106,11 @@ def test_the_end_of_run_rates_leave_out_skipped_steps(run):
     assert f"{len(skipped)} skipped with no learning signal (step {', '.join(map(str, skipped))})" in summary, summary
     rate = float(re.search(rf"over the {len(trained)} trained step\(s\): ([\d.]+) samples/s", summary).group(1))
     assert rate == pytest.approx(samples / seconds, abs=0.06), summary
-    # the per-step rate of a skipped step (all rollout, no learner) is higher than any run's rate
+    # counting the skipped steps too (all rollout, no learner) gives another rate, when it differs
+    # beyond the summary's one decimal (it came within 0.006 of the trained steps' once in CI)
     counted_all = sum(m["rollout/samples"] for m in metrics.values()) / sum(m["time/step_s"] for m in metrics.values())
-    assert abs(counted_all - rate) > 0.05, (counted_all, rate)
+    if abs(counted_all - samples / seconds) > 0.1:
+        assert abs(counted_all - rate) > 0.05, (counted_all, rate)
 
 
 def tool_call_rate(records: list[dict]) -> float:
