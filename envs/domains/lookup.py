@@ -46,6 +46,10 @@ class LookupGrader(Grader):
         return Grade(reward=1.0 if ok else 0.0, passed=ok, grader_version="", details={"extracted": pred})
 
 
+def _key_question(key: str) -> str:
+    return f"Find the value of {key}."
+
+
 def _keys_corpus(seed: int) -> list[dict[str, str]]:
     rng = random.Random(f"lookup/keys/{seed}")
     keys = [f"{a}-{n}" for a in _ADJ for n in _NOUN]
@@ -89,7 +93,8 @@ class LookupEnv(Environment):
         if not 1 <= int(values_per_key) <= 8:
             raise ValueError(f"lookup: values_per_key must be between 1 and 8, got {values_per_key}")
         if int(values_per_key) > 1 and (kind != "keys" or corpus_file):
-            raise ValueError("lookup: values_per_key applies to the generated keys corpus (kind='keys', no corpus_file)")
+            raise ValueError("lookup: values_per_key applies to the generated keys corpus "
+                             "(kind='keys', no corpus_file)")
         self.values_per_key = int(values_per_key)
         check_counts("lookup", n_train, n_heldout)
         if top_k < 1:
@@ -166,7 +171,7 @@ class LookupEnv(Environment):
         tasks = []
         for row in rows[: self.n_train + self.n_heldout]:
             if self.kind == "keys" and not self.corpus_file:
-                question, answer = f"Find the value of {row['id']}.", row["text"].split(": ", 1)[1]
+                question, answer = _key_question(row["id"]), row["text"].split(": ", 1)[1]
             else:
                 question, answer = row["question"], row["answer"]
             tasks.append({"task_id": f"lookup-{self.kind}-{self.seed}-{row['id']}", "question": question,
@@ -186,7 +191,7 @@ class LookupEnv(Environment):
         for i, key in enumerate(keys[:n_keys]):
             for j, value in enumerate(rng.sample(range(100, 1000), v)):
                 splits["heldout" if i < n_held_keys else "train"].append({
-                    "task_id": f"lookup-keys-{self.seed}-{key}-v{j}", "question": f"Find the value of {key}.",
+                    "task_id": f"lookup-keys-{self.seed}-{key}-v{j}", "question": _key_question(key),
                     "answer": str(value), "key": key})
         for split, n in (("train", self.n_train), ("heldout", self.n_heldout)):
             rng.shuffle(splits[split])

@@ -59,7 +59,8 @@ class MultiHopEnv(Environment):
             raise ValueError(f"multihop: paths_per_start must be between 1 and 8, got {paths_per_start}")
         self.paths_per_start = int(paths_per_start)
         if low_effort_hops is not None and not 1 <= int(low_effort_hops) <= int(max_hops):
-            raise ValueError(f"multihop: low_effort_hops must be between 1 and max_hops ({max_hops}), got {low_effort_hops}")
+            raise ValueError(f"multihop: low_effort_hops must be between 1 and max_hops ({max_hops}), "
+                             f"got {low_effort_hops}")
         self.low_effort_hops = None if low_effort_hops is None else int(low_effort_hops)
         check_counts("multihop", n_train, n_heldout)
         self.max_hops, self.n_train, self.n_heldout, self.seed = int(max_hops), n_train, n_heldout, seed
