@@ -1,8 +1,8 @@
 """Fault injection over the synchronous and asynchronous loops, on the tiny config, end to end.
 
 Workers Ray restarts (a rollout worker, an environment worker, a grader actor), each SIGKILLed at a
-random point, and a grader stalled (SIGSTOP): the run goes on to its last step, each death is one console line and a metric, and
-no sample is lost or trained twice. A run that cannot go on (SIGINT, SIGTERM, its learner
+random point, and a grader stalled (SIGSTOP): the run goes on to its last step, each death is one
+console line and a metric, and no sample is lost or trained twice. A run that cannot go on (SIGINT, SIGTERM, its learner
 SIGKILLed, a full disk during a checkpoint) ends in one line naming the newest whole checkpoint and
 the exact command that resumes it, with exit code 130 / 143 / 1, and the resumed runs together
 train every step once. The random points come from FAULT_SEED (printed with every failure; set it
@@ -292,7 +292,8 @@ def inject(stop: str, run_dir: Path, at: int, rng: random.Random, driver: int, a
         else:
             learners = ray_processes(driver, "Learner")
             # the titles only for the message: read when it fails (a child may exit while they are read)
-            assert learners, f"no learner process under pid {driver}: {sorted({name for _, name in titled_children(driver)})}"
+            assert learners, \
+                f"no learner process under pid {driver}: {sorted({name for _, name in titled_children(driver)})}"
             for learner in learners:
                 learner.kill()
 
