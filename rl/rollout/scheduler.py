@@ -181,6 +181,7 @@ class RolloutScheduler:
         self.adaptive = AdaptiveWeights(plan.env_weights, cfg.adaptive) if cfg.adaptive.enabled else None
         # worker faults (rl.rollout.scheduler's recovery paths): "rollout worker 0" / "environment worker 1" ->
         self.pids: dict[str, int] = {}  # the process that last answered (DEAD: its death is counted)
+        self.deaths: dict[str, int] = {}  # deaths counted per worker, over the run
         self.died: set[str] = set()  # died since the last batch
         self.cut_off: dict[str, int] = {}  # groups it cut off since the last batch (played again)
         self.env_back: dict[int, asyncio.Task] = {}  # environment workers being waited for
@@ -192,10 +193,11 @@ class RolloutScheduler:
         """Push new weights to every worker (each loads them between two forward passes); drop what
         could now only be trained too stale. Returns the seconds the push took."""
         started = time.monotonic()
+        seen = [self._deaths_of(f"rollout worker {w}") for w in range(len(self.workers))]
         pushes = [w.set_weights.remote(wrapped_ref[0], version) for w in self.workers]
         for w, outcome in enumerate(await asyncio.gather(*pushes, return_exceptions=True)):
             if worker_died(outcome):  # restarting: it gets them when back
-                self._worker_down(w, died=True)
+                self._worker_down(w, died_after=seen[w])
             elif isinstance(outcome, BaseException):  # e.g. the weights are gone: the learner died
                 raise outcome
         async with self._changed:
@@ -396,6 +398,9 @@ class RolloutScheduler:
             # every attempt has its own episode ids: a cancelled attempt's clean-up, arriving late,
             # can never release the episodes of the next one
             item = replace(item, attempt=next(self._attempt_ids))
+            # the deaths counted before the call: a failure of a call made before a death was counted
+            # is that death, not another one
+            seen_w, seen_env = self._deaths_of(f"rollout worker {w}"), self._deaths_of(f"environment worker {env}")
             ref = self.workers[w].run_group.remote(item)
             try:
                 return GroupOutcome(item, await ref, reissued)
@@ -407,13 +412,13 @@ class RolloutScheduler:
             finally:
                 self.load[w] -= 1
             if isinstance(failure, NoWeightsError):  # restarted between two calls: nothing was played
-                await self._recover_worker(w, item, died=False)
+                await self._recover_worker(w, item, died_after=None)
                 reissued += 1
                 continue
             attempts += 1
             if env_worker_fault(failure) is not None:
                 self._cut_off(f"environment worker {env}")
-                await self._env_worker_back(env)
+                await self._env_worker_back(env, died_after=seen_env)
             elif isinstance(failure, RayTaskError):  # the group itself raised (a broken task or environment)
                 await self._abort_episodes(item)
                 if attempts > self.cfg.max_retries:
@@ -422,40 +427,37 @@ class RolloutScheduler:
                 continue
             else:  # the rollout worker died
                 self._cut_off(f"rollout worker {w}")
-                await self._recover_worker(w, item, died=True)
+                await self._recover_worker(w, item, died_after=seen_w)
             if attempts > self.cfg.max_retries:
                 return GroupOutcome(item, None, reissued,
                                     f"group {item.uid} failed {attempts} times; last: {first_line(failure)}")
             reissued += 1
 
-    async def _recover_worker(self, w: int, item: WorkItem, died: bool) -> None:
+    async def _recover_worker(self, w: int, item: WorkItem, died_after: int | None) -> None:
         await self._abort_episodes(item)
-        self._worker_down(w, died)
+        self._worker_down(w, died_after)
 
-    def _worker_down(self, w: int, died: bool) -> None:
+    def _worker_down(self, w: int, died_after: int | None) -> None:
         """The actor restarts on its own (max_restarts) and comes back without weights: no group
-        goes to it until it answers again and holds the current weights. died: a call to it failed,
-        and its death is counted now unless already counted (it may come back only after the run's
-        last batch)."""
+        goes to it until it answers again and holds the current weights. died_after: a call to it
+        failed, made when its deaths counted were this many (None: it did not die)."""
+        if died_after is not None:
+            self._count_failed_call(f"rollout worker {w}", died_after)
         if w not in self.down:
-            self.down[w] = asyncio.get_running_loop().create_task(self._bring_back(w, died))
+            self.down[w] = asyncio.get_running_loop().create_task(self._bring_back(w))
 
-    async def _count_failed_call(self, name: str, actor) -> None:
-        """A call to a worker failed: its death is counted now, unless the worker answers at once
-        with the pid already known, a successor whose predecessor's death was counted already (a
-        late failure of a call made before the restart; counting it again counted one death twice)."""
-        try:
-            pid = await asyncio.wait_for(actor.ping.remote(), 2.0)
-        except (*WORKER_FAILURES, asyncio.TimeoutError):
-            pid = None
-        if pid is None or pid != self.pids.get(name):
-            if self.pids.get(name) != DEAD:
-                self._died(name)
+    def _deaths_of(self, name: str) -> int:
+        return self.deaths.get(name, 0)
 
-    async def _bring_back(self, w: int, died: bool) -> None:
+    def _count_failed_call(self, name: str, died_after: int) -> None:
+        """A call to a worker failed: its death is counted unless a death was counted since the call
+        was made (the late failure of a call to the predecessor: a ping's answer decided that before,
+        and a successor slow to answer it under load counted one death twice)."""
+        if self._deaths_of(name) == died_after and self.pids.get(name) != DEAD:
+            self._died(name)
+
+    async def _bring_back(self, w: int) -> None:
         try:
-            if died:
-                await self._count_failed_call(f"rollout worker {w}", self.workers[w])
             while await self._answers(f"rollout worker {w}", self.workers[w]) is not None:
                 if not self.weights_ref:
                     return
@@ -471,20 +473,18 @@ class RolloutScheduler:
                 self.down.pop(w, None)
                 self._changed.notify_all()
 
-    async def _env_worker_back(self, e: int) -> None:
+    async def _env_worker_back(self, e: int, died_after: int) -> None:
         """Wait until environment worker e answers again. Every group it cut off waits on one ping,
         shielded: a group aborted meanwhile must not cancel the others' wait. Its death is counted
         once (_count_failed_call: counting at each failed call counted one death six times in a
         14-step run)."""
+        name = f"environment worker {e}"
+        self._count_failed_call(name, died_after)
         waiting = self.env_back.get(e)
         if waiting is None or waiting.done():
-            waiting = self.env_back[e] = asyncio.get_running_loop().create_task(self._env_worker_answers(e))
+            answers = self._answers(name, self.env_workers[e])
+            waiting = self.env_back[e] = asyncio.get_running_loop().create_task(answers)
         await asyncio.shield(waiting)
-
-    async def _env_worker_answers(self, e: int) -> int | None:
-        name = f"environment worker {e}"
-        await self._count_failed_call(name, self.env_workers[e])
-        return await self._answers(name, self.env_workers[e])
 
     async def _answers(self, name: str, actor) -> int | None:
         """Wait until a worker Ray restarts answers again: its pid, or None when it never will (the
@@ -524,6 +524,7 @@ class RolloutScheduler:
     def _died(self, name: str) -> None:
         """Count a worker's death, once: the next pid it answers with is its successor's."""
         self.pids[name] = DEAD
+        self.deaths[name] = self._deaths_of(name) + 1
         self.died.add(name)
         self._count(DEATH_METRICS[name.rsplit(" ", 1)[0]])
 
