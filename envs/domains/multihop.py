@@ -12,7 +12,7 @@ from the tool; it cannot learn the paths by heart.
 
 Reference solutions depend on the effort level the episode was reset with: their reasoning
 (`<|think|>` ... `<|/think|>`) grows with the level (none at low; the next key at medium; at high
-also the path so far; at max also a check of the path before answering), so a warm-up on them
+also the path so far; at max also a check of the last link before answering), so a warm-up on them
 teaches the format and what each level spends. With low_effort_hops = h the reference at low effort
 follows at most h links and then answers with what it has (the key it reached: wrong past h hops, but
 within a budget that affords only h), so a warm-up teaches low effort to answer rather than be cut off.
@@ -129,8 +129,11 @@ class MultiHopEnv(Environment):
             thought = {"low": "", "medium": key, "high": " > ".join(path[:i + 1]),
                        "max": " > ".join(path[:i + 1])}[level]
             turns.append(_think(thought) + format_tool_call("search", {"query": key}))
-        final = {"low": "", "medium": "", "high": "",
-                 "max": f"{' > '.join(path)} > {task['answer']}"}[level]
+        # max checks the last link before answering: the number, then the key it came from. It opens
+        # with the number, so whether to answer or search again is decided right after the tool's
+        # reply; rewriting the whole path first (the former check) deferred that decision past many
+        # copied keys, and the toy policy searched on past the number (max multi-hop 0.05, high 0.21)
+        final = {"low": "", "medium": "", "high": "", "max": f"{task['answer']} < {path[-1]}"}[level]
         turns.append(_think(final) + f"The answer is {task['answer']}.")
         return turns
 
