@@ -129,11 +129,11 @@ class MultiHopEnv(Environment):
             thought = {"low": "", "medium": key, "high": " > ".join(path[:i + 1]),
                        "max": " > ".join(path[:i + 1])}[level]
             turns.append(_think(thought) + format_tool_call("search", {"query": key}))
-        # max checks the last link before answering: the number, then the key it came from. It opens
-        # with the number, so whether to answer or search again is decided right after the tool's
-        # reply; rewriting the whole path first (the former check) deferred that decision past many
-        # copied keys, and the toy policy searched on past the number (max multi-hop 0.05, high 0.21)
-        final = {"low": "", "medium": "", "high": "", "max": f"{task['answer']} < {path[-1]}"}[level]
+        # max names the link it checked before answering. It opens with a fixed word, so whether to
+        # answer or search again is decided right after the tool's reply (rewriting the whole path
+        # first deferred that past many copied keys: max multi-hop 0.05, high 0.21), and it holds no
+        # copy of the number (a check that copied it first passed its copy errors on to the answer)
+        final = {"low": "", "medium": "", "high": "", "max": f"check: {path[-1]}"}[level]
         turns.append(_think(final) + f"The answer is {task['answer']}.")
         return turns
 

@@ -181,9 +181,9 @@ def test_multihop_references_reason_more_at_higher_levels_and_pass_the_gate():
         assert len(refs) == 4 and refs[-1].endswith(f"The answer is {task['answer']}.")
         lengths.append(sum(len(parse_turn(r).reasoning) for r in refs))
     assert lengths[0] == 0 and lengths == sorted(lengths) and len(set(lengths)) == 4
-    # max's last turn checks the last link number first: answer or search again is decided on the
-    # token after the tool's reply (the whole path rewritten first left max multi-hop at 0.05)
-    assert parse_turn(refs[-1]).reasoning == f"{task['answer']} < {task['path'][-1]}"
+    # max's last turn opens its check with a fixed word: answer or search again is decided on the token
+    # after the tool's reply (the whole path rewritten first left max multi-hop at 0.05)
+    assert parse_turn(refs[-1]).reasoning == f"check: {task['path'][-1]}"
     assert check_env("multihop", {}, max_tasks=4).ok
 
 
