@@ -193,7 +193,9 @@ class RolloutScheduler:
         """Push new weights to every worker (each loads them between two forward passes); drop what
         could now only be trained too stale. Returns the seconds the push took."""
         started = time.monotonic()
-        seen = [self._deaths_of(f"rollout worker {w}") for w in range(len(self.workers))]
+        # the deaths counted before the push; None for a worker known to be restarting: its push failing
+        # is that death again (a failure Ray gives at once, read only when the slowest worker has loaded)
+        seen = [None if w in self.down else self._deaths_of(f"rollout worker {w}") for w in range(len(self.workers))]
         pushes = [w.set_weights.remote(wrapped_ref[0], version) for w in self.workers]
         for w, outcome in enumerate(await asyncio.gather(*pushes, return_exceptions=True)):
             if worker_died(outcome):  # restarting: it gets them when back

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from rl.config import RolloutConfig
 from rl.rollout.scheduler import RolloutScheduler, SamplingPlan
@@ -104,3 +104,69 @@ def test_a_successor_that_dies_too_is_a_second_death():
     successor dies under it."""
     env_worker = _RestartingEnvWorker(down=[(1.0, 3.0), (31.0, 33.0)], ping_s=5.0)
     assert _deaths_counted({"a": 0.0, "b": 30.0}, {"a": 1.0, "b": 1.0}, env_worker) == 2
+
+
+class _DyingRolloutWorker:
+    """Dead from `died_at` until `back_at` (virtual seconds): the group in flight on it fails at its death,
+    a weight push made meanwhile fails at once (Ray's ActorUnavailableError: the caller has not yet heard
+    of the death), and the successor answers a ping with a new pid once back."""
+
+    def __init__(self, died_at: float, back_at: float) -> None:
+        self.died_at, self.back_at = died_at, back_at
+        self.run_group = _Call(self._run_group)
+        self.ping = _Call(self._ping)
+        self.set_weights = _Call(self._set_weights)
+
+    def _dead(self) -> bool:
+        return self.died_at <= asyncio.get_running_loop().time() < self.back_at
+
+    def _run_group(self, item: WorkItem) -> asyncio.Future:
+        now = asyncio.get_running_loop().time()
+        if now < self.died_at:
+            return _later(self.died_at - now, error=RayActorError())
+        return _later(1.0, [])
+
+    def _ping(self) -> asyncio.Future:
+        if self._dead():
+            return _later(0.0, error=RayActorError())
+        return _later(0.0, 1 if asyncio.get_running_loop().time() < self.died_at else 2)
+
+    def _set_weights(self, _ref, _version) -> asyncio.Future:
+        if self._dead():
+            return _later(0.0, error=ActorUnavailableError("restarting", None))
+        return _later(0.0)
+
+
+class _SlowToLoadRolloutWorker:
+    """Takes `load_s` to load pushed weights (the push to every worker ends with the slowest)."""
+
+    def __init__(self, load_s: float) -> None:
+        self.set_weights = _Call(lambda _ref, _version: _later(load_s))
+        self.ping = _Call(lambda: _later(0.0, 7))
+        self.run_group = _Call(lambda _item: _later(1.0, []))
+
+
+def test_a_push_to_a_worker_already_known_dead_is_not_a_second_death():
+    """Rollout worker 0 dies under a group at 1 s (counted) and is back at 3 s; weights pushed at 1.5 s fail
+    on it at once, but the push ends only when worker 1 has loaded them (6.5 s), after the successor
+    answered. Counting that failed push as a death counted one kill twice (CI saw it, async)."""
+    rollout = RolloutConfig(num_workers=2, groups_per_step=2, group_size=2, groups_per_worker=2, max_slots=4)
+    plan = SamplingPlan({"env": 1.0}, {"medium": 1.0}, {"medium": 16}, 2, 1.0, 1.0, 0)
+    env_worker = _RestartingEnvWorker(down=[], ping_s=0.0)
+    scheduler = RolloutScheduler([_DyingRolloutWorker(died_at=1.0, back_at=3.0), _SlowToLoadRolloutWorker(5.0)],
+                                 [env_worker], {"env": {"train": ["t0"], "heldout": []}}, plan, rollout)
+
+    async def push_later():
+        await asyncio.sleep(1.5)
+        await scheduler.set_weights(["weights"], 1)
+
+    async def both():
+        return await asyncio.gather(scheduler._play(_item("a")), push_later())
+
+    loop = VirtualClockLoop()
+    try:
+        outcome, _ = loop.run_until_complete(both())
+    finally:
+        loop.close()
+    assert outcome.error is None and outcome.reissued == 1, outcome
+    assert scheduler.counters.get("faults/rollout_worker_deaths") == 1.0, scheduler.counters
