@@ -179,8 +179,9 @@ def test_killed_workers_are_restarted_and_the_run_goes_on(tmp_path, ray_session,
     assert out.exit_code == 0, f"FAULT_SEED={SEED}\n{out.output}"
     assert_nothing_lost_or_repeated(run_dir, steps)
     total = {key: counted(run_dir, key) for key in (*COUNTED.values(), "rollout/failed_groups")}
+    fault_lines = [line for line in out.output.splitlines() if "died" in line or "cut off" in line]
     assert total["faults/rollout_worker_deaths"] == 1 and total["faults/env_worker_deaths"] == 1, \
-        f"{total} (FAULT_SEED={SEED})"
+        f"{total} (FAULT_SEED={SEED})\n" + "\n".join(fault_lines)
     assert total["rollout/failed_groups"] == 0, f"{total} (FAULT_SEED={SEED})"
     text = " ".join(out.output.split())  # the console wraps long lines
     assert re.search(r"step \d+: rollout worker [01] died; Ray restarts it", text), text
