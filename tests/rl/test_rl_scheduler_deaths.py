@@ -68,13 +68,25 @@ def _item(uid: str) -> WorkItem:
     return WorkItem(uid, "env", "t0", "medium", 2, 0, 16, 1.0, 1.0, index=0)
 
 
+def _scheduler(workers: list, env_worker) -> RolloutScheduler:
+    """The real scheduler over scripted rollout workers and one environment worker."""
+    rollout = RolloutConfig(num_workers=len(workers), groups_per_step=2, group_size=2, groups_per_worker=2, max_slots=4)
+    plan = SamplingPlan({"env": 1.0}, {"medium": 1.0}, {"medium": 16}, 2, 1.0, 1.0, 0)
+    return RolloutScheduler(workers, [env_worker], {"env": {"train": ["t0"], "heldout": []}}, plan, rollout)
+
+
+def _on_virtual_clock(coroutine):
+    loop = VirtualClockLoop()
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        loop.close()
+
+
 def _deaths_counted(starts: dict[str, float], fails_after: dict[str, float], env_worker) -> float:
     """Play a group per uid in `starts` (its first call at that virtual second) and return the environment
     worker deaths the scheduler counted."""
-    rollout = RolloutConfig(num_workers=1, groups_per_step=2, group_size=2, groups_per_worker=2, max_slots=4)
-    plan = SamplingPlan({"env": 1.0}, {"medium": 1.0}, {"medium": 16}, 2, 1.0, 1.0, 0)
-    scheduler = RolloutScheduler([_RolloutWorker(fails_after)], [env_worker], {"env": {"train": ["t0"], "heldout": []}},
-                                 plan, rollout)
+    scheduler = _scheduler([_RolloutWorker(fails_after)], env_worker)
 
     async def play(uid: str):
         await asyncio.sleep(starts[uid])
@@ -83,11 +95,7 @@ def _deaths_counted(starts: dict[str, float], fails_after: dict[str, float], env
     async def play_all():
         return await asyncio.gather(*(play(uid) for uid in starts))
 
-    loop = VirtualClockLoop()
-    try:
-        outcomes = loop.run_until_complete(play_all())
-    finally:
-        loop.close()
+    outcomes = _on_virtual_clock(play_all())
     assert all(o.error is None and o.reissued == 1 for o in outcomes), outcomes
     return scheduler.counters.get("faults/env_worker_deaths", 0.0)
 
@@ -150,11 +158,8 @@ def test_a_push_to_a_worker_already_known_dead_is_not_a_second_death():
     """Rollout worker 0 dies under a group at 1 s (counted) and is back at 3 s; weights pushed at 1.5 s fail
     on it at once, but the push ends only when worker 1 has loaded them (6.5 s), after the successor
     answered. Counting that failed push as a death counted one kill twice (CI saw it, async)."""
-    rollout = RolloutConfig(num_workers=2, groups_per_step=2, group_size=2, groups_per_worker=2, max_slots=4)
-    plan = SamplingPlan({"env": 1.0}, {"medium": 1.0}, {"medium": 16}, 2, 1.0, 1.0, 0)
-    env_worker = _RestartingEnvWorker(down=[], ping_s=0.0)
-    scheduler = RolloutScheduler([_DyingRolloutWorker(died_at=1.0, back_at=3.0), _SlowToLoadRolloutWorker(5.0)],
-                                 [env_worker], {"env": {"train": ["t0"], "heldout": []}}, plan, rollout)
+    scheduler = _scheduler([_DyingRolloutWorker(died_at=1.0, back_at=3.0), _SlowToLoadRolloutWorker(5.0)],
+                           _RestartingEnvWorker(down=[], ping_s=0.0))
 
     async def push_later():
         await asyncio.sleep(1.5)
@@ -163,10 +168,6 @@ def test_a_push_to_a_worker_already_known_dead_is_not_a_second_death():
     async def both():
         return await asyncio.gather(scheduler._play(_item("a")), push_later())
 
-    loop = VirtualClockLoop()
-    try:
-        outcome, _ = loop.run_until_complete(both())
-    finally:
-        loop.close()
+    outcome, _ = _on_virtual_clock(both())
     assert outcome.error is None and outcome.reissued == 1, outcome
     assert scheduler.counters.get("faults/rollout_worker_deaths") == 1.0, scheduler.counters
