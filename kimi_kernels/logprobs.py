@@ -9,7 +9,10 @@ block's logits in the backward pass:
     z = scale * h W^T,  logp_i = z_i[t_i] - logsumexp(z_i),  H_i = logsumexp(z_i) - sum_j p_ij z_ij
     d logp_i / d z_i = onehot(t_i) - p_i  ->  dh = scale * dz W,  dW = scale * dz^T h
 
-Peak extra memory is one block of float32 logits instead of several full copies. What a block
+Peak extra memory is one block of float32 logits instead of several full copies, plus, where
+they fit `KEEP_LOGITS_BYTES`, the head's output in h's dtype kept from the forward so the backward
+need not run the head's GEMM again (a quarter of the head's FLOPs; 2.7 GB at 8K tokens of K3's
+vocabulary in bf16, where a 64K-token row's 21 GB is recomputed instead). What a block
 does between its GEMMs (the log-sum-exp, the target's logit, the entropy; the logits' gradient) is
 one fused chain on CUDA (kimi_kernels/fusion.py): run op by op it streamed a float32 copy of the
 block's logits through memory about ten times a pass, half the learner step of a Kimi-Linear-shaped
@@ -30,6 +33,8 @@ Tensor = torch.Tensor
 # h's dtype, so twice the rows fit (H100, 8K tokens, K3's head: fwd+bwd 54.8 -> 48.5 ms, +0.4 GiB)
 _BLOCK_ELEMENTS = 1 << 26
 _FUSED_BLOCK_ELEMENTS = 1 << 27
+# the most bytes of head output a gradient-taking call keeps for its backward instead of recomputing it
+KEEP_LOGITS_BYTES = 4 << 30
 
 
 def _block_rows(h: Tensor, vocab: int, block_rows: int | None) -> int:
@@ -71,17 +76,20 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         logp = torch.empty(n, dtype=acc, device=h.device)
         entropy = torch.empty(n, dtype=acc, device=h.device)
         lse = torch.empty(n, dtype=acc, device=h.device)
+        keep = any(ctx.needs_input_grad[:2]) and n * weight.shape[0] * h.element_size() <= KEEP_LOGITS_BYTES
+        kept = h.new_empty(n, weight.shape[0]) if keep else None
         for a in range(0, n, rows):
-            lse[a:a + rows], logp[a:a + rows], entropy[a:a + rows] = block_statistics(
-                h[a:a + rows] @ weight.t(), targets[a:a + rows], scale)
-        ctx.save_for_backward(h, weight, targets, lse)
+            hb = h[a:a + rows]
+            z = hb @ weight.t() if kept is None else torch.mm(hb, weight.t(), out=kept[a:a + rows])
+            lse[a:a + rows], logp[a:a + rows], entropy[a:a + rows] = block_statistics(z, targets[a:a + rows], scale)
+        ctx.save_for_backward(h, weight, targets, lse, kept)
         ctx.scale, ctx.rows = scale, rows
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
-        h, weight, targets, lse = ctx.saved_tensors
+        h, weight, targets, lse, kept = ctx.saved_tensors
         scale, rows = ctx.scale, ctx.rows
         dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         # blocks add into dW in place (a temporary [V, d] per block would cost a full weight's memory);
@@ -89,7 +97,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for a in range(0, h.shape[0], rows):
             hb = h[a:a + rows]
-            dz = block_logit_grad(hb @ weight.t(), lse[a:a + rows], targets[a:a + rows], grad_logp[a:a + rows], scale)
+            z = hb @ weight.t() if kept is None else kept[a:a + rows]
+            dz = block_logit_grad(z, lse[a:a + rows], targets[a:a + rows], grad_logp[a:a + rows], scale)
             if dh is not None:
                 dh[a:a + rows] = dz @ weight
             if dw is not None:

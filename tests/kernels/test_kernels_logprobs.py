@@ -113,3 +113,33 @@ def test_a_fused_block_holds_twice_the_rows_of_an_unfused_one(monkeypatch):
         assert lp._block_rows(h, 163_840, None) == 409
     finally:
         fusion.set_fusion(prev)
+
+
+def _backward_flops(h, w, t, rows):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    logp, _ = linear_token_logprobs(h, w, t, block_rows=rows)
+    with FlopCounterMode(display=False) as counter:
+        grads = torch.autograd.grad(logp.sum(), (h, w))
+    return counter.get_total_flops(), grads
+
+
+def test_the_backward_reuses_the_head_output_kept_within_the_budget(monkeypatch):
+    """Within KEEP_LOGITS_BYTES the backward does not run the head's forward GEMM again (2 N V d
+    FLOPs); past the budget it does; the gradients are the same."""
+    import kimi_kernels.logprobs as lp
+
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(12, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(30, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 30, (12,), generator=g)
+    kept_flops, kept = _backward_flops(h, w, t, rows=5)
+    monkeypatch.setattr(lp, "KEEP_LOGITS_BYTES", 12 * 30 * 8 - 1)  # one byte short of this call's head output
+    recomputed_flops, recomputed = _backward_flops(h, w, t, rows=5)
+    assert recomputed_flops - kept_flops == 2 * 12 * 30 * 8
+    for a, b in zip(kept, recomputed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():  # a call without gradient keeps nothing
+        monkeypatch.setattr(lp, "KEEP_LOGITS_BYTES", 1 << 40)
+        ctx_free, _ = linear_token_logprobs(h, w, t, block_rows=5)
+    assert ctx_free.grad_fn is None
