@@ -301,6 +301,43 @@ def test_expert_counts_equal_bincount():
     assert torch.equal(expert_counts(ids[:0], 4), torch.zeros(4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_the_experts_combine_equals_a_sum_over_each_tokens_pairs(monkeypatch, backend):
+    """The routed experts' outputs back in token order and weighted (StackedExperts.forward), as
+    CUDA runs it (compiled, kimi_kernels/fusion.py) and here on the CPU: each token's sum of its k
+    routing weights times its experts' outputs, values and gradients (rows and weights), in bf16."""
+    import kimi_kernels.fusion as fusion
+    from policy.layers import moe
+
+    monkeypatch.setattr(fusion, "_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(fusion, "_BACKEND", backend)
+    monkeypatch.setattr(moe, "combine_experts", fusion.fused_on_cuda(moe.combine_experts.__wrapped__))
+    torch._dynamo.reset()
+    prev = fusion.set_fusion(True)
+    try:
+        g = torch.Generator().manual_seed(5)
+        experts = moe.StackedExperts(6, 16, 24, tiny()).bfloat16()
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        z = torch.randn(9, 16, generator=g).bfloat16().requires_grad_(True)
+        w = torch.rand(9, 2, generator=g).requires_grad_(True)
+        idx = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(9)])
+        y = experts(z, w, idx)
+        single = [experts.grouped(z[i:i + 1], torch.eye(6, dtype=torch.long)[e]) for i, e in
+                  ((i, int(e)) for i in range(9) for e in idx[i])]
+        want = sum(w.reshape(-1)[j::2, None] * torch.cat(single[j::2]).float() for j in range(2))
+        torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+        upstream = torch.randn(9, 16, generator=g)
+        got = torch.autograd.grad(y, (z, w), upstream)
+        expected = torch.autograd.grad(want, (z, w), upstream)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    finally:
+        fusion.set_fusion(prev)
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("act", ["silu", "situ"])
 def test_fixed_capacity_experts_equal_the_per_expert_loop(act):
     """Inside fixed_capacity_experts() (what a CUDA graph captures in float32) the routed experts
