@@ -67,7 +67,8 @@ def test_bad_shapes_fail_with_one_line_messages():
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_the_compiled_block_chains_equal_the_full_logits_path(monkeypatch, backend):
     """The per-block chains as CUDA runs them (compiled, kimi_kernels/fusion.py), here on the CPU:
-    float32 values and gradients of the full-logits path, two block sizes (two compiled shapes)."""
+    float32 values and gradients of the full-logits path, two block sizes (two compiled shapes) and
+    the default blocks, whose backward ones are larger than the forward's."""
     import kimi_kernels.fusion as fusion
     import kimi_kernels.logprobs as lp
 
@@ -82,7 +83,10 @@ def test_the_compiled_block_chains_equal_the_full_logits_path(monkeypatch, backe
         h = torch.randn(13, 8, generator=g, requires_grad=True)
         w = torch.randn(40, 8, generator=g, requires_grad=True)
         t = torch.randint(0, 40, (13,), generator=g)
-        for rows in (5, 13):
+        # None: the default blocks, here 5 rows forward and 10 backward (the backward's are larger)
+        monkeypatch.setattr(lp, "_FUSED_BLOCK_ELEMENTS", 5 * 40)
+        monkeypatch.setattr(lp, "_FUSED_GRAD_BLOCK_ELEMENTS", 10 * 40)
+        for rows in (5, 13, None):
             logp, ent = linear_token_logprobs(h, w, t, scale=1 / 0.7, block_rows=rows)
             ref_logp, ref_ent = _reference(h, w, t, 1 / 0.7)
             torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=1e-5)
@@ -105,12 +109,12 @@ def test_a_fused_block_holds_twice_the_rows_of_an_unfused_one(monkeypatch):
     h = torch.zeros(2, 8)
     prev = fusion.set_fusion(True)
     try:
-        assert lp._block_rows(h, 163_840, None) == 409
+        assert lp._block_rows(h, 163_840, None) == (409, 409)
         monkeypatch.setattr(fusion, "_DEVICE_TYPES", ("cuda", "cpu"))
-        assert lp._block_rows(h, 163_840, None) == 819
-        assert lp._block_rows(h, 163_840, 7) == 7
+        assert lp._block_rows(h, 163_840, None) == (819, 3276)  # the backward's blocks 4x: fewer passes over dW
+        assert lp._block_rows(h, 163_840, 7) == (7, 7)
         fusion.set_fusion(False)
-        assert lp._block_rows(h, 163_840, None) == 409
+        assert lp._block_rows(h, 163_840, None) == (409, 409)
     finally:
         fusion.set_fusion(prev)
 
