@@ -6,6 +6,8 @@ model's config. Any input fails as one ConfigError line: no traceback, no hang.
 """
 from __future__ import annotations
 
+import copy
+
 import difflib
 import functools
 import importlib.util
@@ -849,10 +851,28 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
             node[key] = value
             return
         else:
-            nxt = node.setdefault(key, {})
+            if key not in node:  # e.g. effort.weights.max=2 edits the default weights, not an empty mapping
+                node[key] = _default_mapping(keys[: i + 1])
+            nxt = node[key]
         if not isinstance(nxt, (dict, list)):
             raise ConfigError(f"config error: '{_clip(where)}' is a value, not a section")
         node = nxt
+
+
+def _default_mapping(path: list[str]) -> dict[str, Any]:
+    """What a key the config leaves out starts as when an override reaches into it: a copy of the
+    field's default where that is a mapping (effort.weights: every level at 1.0), else an empty one
+    (a section: validation fills in its defaults)."""
+    model: Any = RunConfig
+    for i, key in enumerate(path):
+        field = getattr(model, "model_fields", {}).get(key)
+        if field is None:
+            return {}
+        if i == len(path) - 1:
+            default = field.get_default(call_default_factory=True)
+            return copy.deepcopy(default) if isinstance(default, dict) else {}
+        model = field.annotation
+    return {}
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -31,6 +31,18 @@ def test_overrides_are_typed(tmp_path):
     assert cfg.envs[0].weight == 2
 
 
+def test_an_override_into_a_mapping_the_config_leaves_out_edits_its_default(tmp_path):
+    """`effort.weights.max=2` on a config that lists no weights weights max twice and keeps the other
+    levels at their default 1.0 (it had made the weights {max: 2}: a run at max only, silently);
+    where the config lists the mapping, the override edits what it lists."""
+    cfg = load_config(write(tmp_path, BASE), ["effort.weights.max=2", "effort.budgets.low=20"])
+    assert cfg.effort.weights == {"low": 1.0, "medium": 1.0, "high": 1.0, "max": 2.0}
+    assert cfg.effort.budgets == {"low": 20, "medium": 96, "high": 192, "max": 320}
+    listed = {**BASE, "effort": {"budgets": {"low": 8, "max": 16}, "weights": {"low": 1.0, "max": 0.0}}}
+    cfg = load_config(write(tmp_path, listed), ["effort.weights.max=3"])
+    assert cfg.effort.weights == {"low": 1.0, "max": 3.0}
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
