@@ -41,8 +41,10 @@ HEADER = f"""# Run config reference
 Generated from the schema in `rl/config.py` by `{COMMAND}`; `tests/test_docs.py` fails
 when this page and the schema differ. Every key can be set in the YAML file or on the command line as a dotted override
 (`rl train configs/demo.yaml train.lr=3e-4 rollout.group_size=4`); an unknown or ill-typed key stops the
-run before anything starts, in one line naming the key. Ranges are what the config accepts (the upper
-bounds only catch typos). `null` is YAML's empty value.
+run before anything starts, in one line naming the key. A mapping written in the file replaces its
+default whole; an override into one the file leaves out edits the default (`effort.weights.max=2` keeps
+the other levels at 1.0). Ranges are what the config accepts (the upper bounds only catch typos). `null`
+is YAML's empty value.
 """
 
 
