@@ -34,7 +34,8 @@ Tensor = torch.Tensor
 _BLOCK_ELEMENTS = 1 << 26
 _FUSED_BLOCK_ELEMENTS = 1 << 27
 # the fused backward's blocks, larger: each adds its part of dW into the whole [V, d] gradient, a read
-# and a write of it per block (10 blocks of 819 rows at 8K tokens: ~15 GB of traffic, ~4 ms on an H100)
+# and a write of it per block (10 blocks of 819 rows at 8K tokens: ~15 GB of traffic, an estimated
+# ~4 ms on an H100; the larger blocks are not yet timed)
 _FUSED_GRAD_BLOCK_ELEMENTS = 1 << 29
 # the most bytes of head output a gradient-taking call keeps for its backward instead of recomputing it
 KEEP_LOGITS_BYTES = 4 << 30

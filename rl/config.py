@@ -7,7 +7,6 @@ model's config. Any input fails as one ConfigError line: no traceback, no hang.
 from __future__ import annotations
 
 import copy
-
 import difflib
 import functools
 import importlib.util
