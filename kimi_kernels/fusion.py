@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-__all__ = ["aligned", "fused_on_cuda", "runs_fused", "set_fusion"]
+__all__ = ["aligned", "fused_on_cuda", "fusion_enabled", "runs_fused", "set_fusion"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _enabled = os.environ.get("KIMI_FUSED_OPS", "1") != "0"
@@ -39,6 +39,11 @@ def aligned(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.data_ptr() % _ALIGNMENT:
         return value.clone()
     return value
+
+
+def fusion_enabled() -> bool:
+    """Whether fused CUDA paths are on (`set_fusion`, KIMI_FUSED_OPS); kernels of their own ask it too."""
+    return _enabled
 
 
 def runs_fused(x: torch.Tensor) -> bool:

@@ -12,41 +12,49 @@ block's logits in the backward pass:
 Peak extra memory is one block of float32 logits instead of several full copies, plus, where
 they fit `KEEP_LOGITS_BYTES`, the head's output in h's dtype kept from the forward so the backward
 need not run the head's GEMM again (a quarter of the head's FLOPs; 2.7 GB at 8K tokens of K3's
-vocabulary in bf16, where a 64K-token row's 21 GB is recomputed instead). What a block
-does between its GEMMs (the log-sum-exp, the target's logit, the entropy; the logits' gradient) is
-one fused chain on CUDA (kimi_kernels/fusion.py): run op by op it streamed a float32 copy of the
-block's logits through memory about ten times a pass, half the learner step of a Kimi-Linear-shaped
-model at 8K tokens (2026-12-06, H100 profile in benchmarks/RESULTS.md).
+vocabulary in bf16, where a 64K-token row's 21 GB is recomputed instead). What a block does between
+its GEMMs (the log-sum-exp, the target's logit, the entropy; the logits' gradient) is one pass of a
+Triton kernel over each row on CUDA (kimi_kernels/logit_rows.py), which writes the gradient over the
+logits in place; there a kept output is one block: one GEMM each way over all rows, instead of a
+read and a write of the whole [V, d] gradient per block. Op by op, as on the CPU, a block streams a
+float32 copy of its logits through memory about ten times a pass.
 """
 from __future__ import annotations
 
 import torch
 
-from .fusion import fused_on_cuda, runs_fused
+from . import logit_rows
+from .fusion import fusion_enabled
 
 __all__ = ["linear_token_logprobs"]
 
 Tensor = torch.Tensor
 
 # logits per block, ~256 MiB at a time: op by op a block holds float32 copies of its logits, 2^26
-# elements (409 rows at a 163,840 vocabulary); fused it holds only its logits and their gradient in
-# h's dtype, so twice the rows fit (H100, 8K tokens, K3's head: fwd+bwd 54.8 -> 48.5 ms, +0.4 GiB)
+# elements (409 rows at a 163,840 vocabulary); with the row kernels it holds only its logits in h's
+# dtype (the gradient is written over them), so twice the rows fit
 _BLOCK_ELEMENTS = 1 << 26
-_FUSED_BLOCK_ELEMENTS = 1 << 27
-# the fused backward's blocks, larger: each adds its part of dW into the whole [V, d] gradient, a read
-# and a write of it per block (10 blocks of 819 rows at 8K tokens: ~15 GB of traffic, an estimated
-# ~4 ms on an H100; the larger blocks are not yet timed)
-_FUSED_GRAD_BLOCK_ELEMENTS = 1 << 29
+_KERNEL_BLOCK_ELEMENTS = 1 << 27
+# the kernels' backward blocks where nothing is kept, larger: each adds its part of dW into the whole
+# [V, d] gradient, a read and a write of it per block
+_KERNEL_GRAD_BLOCK_ELEMENTS = 1 << 29
 # the most bytes of head output a gradient-taking call keeps for its backward instead of recomputing it
 KEEP_LOGITS_BYTES = 4 << 30
 
 
-def _block_rows(h: Tensor, vocab: int, block_rows: int | None) -> tuple[int, int]:
-    """Rows a block of the forward and of the backward: `block_rows` for both where given."""
+def _uses_kernels(h: Tensor) -> bool:
+    return fusion_enabled() and logit_rows.available(h)
+
+
+def _block_rows(h: Tensor, vocab: int, block_rows: int | None, kernels: bool, keep: bool) -> tuple[int, int]:
+    """Rows a block of the forward and of the backward: `block_rows` for both where given; all rows at
+    once where the kernels run on a kept output."""
     if block_rows is not None:
         return block_rows, block_rows
-    if runs_fused(h):
-        return max(1, _FUSED_BLOCK_ELEMENTS // vocab), max(1, _FUSED_GRAD_BLOCK_ELEMENTS // vocab)
+    if kernels and keep:
+        return max(1, h.shape[0]), max(1, h.shape[0])
+    if kernels:
+        return max(1, _KERNEL_BLOCK_ELEMENTS // vocab), max(1, _KERNEL_GRAD_BLOCK_ELEMENTS // vocab)
     rows = max(1, _BLOCK_ELEMENTS // vocab)
     return rows, rows
 
@@ -55,7 +63,6 @@ def _acc(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-@fused_on_cuda
 def block_statistics(z: Tensor, targets: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """A block's head output z [r, V] (h's dtype) and its targets [r]: (logsumexp, log p(target),
     entropy) of softmax(scale * z), each [r] in the accumulation dtype."""
@@ -66,7 +73,6 @@ def block_statistics(z: Tensor, targets: Tensor, scale: float) -> tuple[Tensor, 
     return lse, logp, lse - (p * z).sum(-1)
 
 
-@fused_on_cuda
 def block_logit_grad(z: Tensor, lse: Tensor, targets: Tensor, grad_logp: Tensor, scale: float) -> Tensor:
     """The gradient of sum_i grad_logp_i * log p_i(target_i) with respect to a block's head output z
     [r, V]: scale * grad_logp_i * (onehot(target_i) - p_i), in z's dtype."""
@@ -78,21 +84,25 @@ def block_logit_grad(z: Tensor, lse: Tensor, targets: Tensor, grad_logp: Tensor,
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, scale: float, rows: int,
-                grad_rows: int) -> tuple[Tensor, Tensor]:
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, scale: float, block_rows: int | None
+                ) -> tuple[Tensor, Tensor]:
         acc = _acc(h)
         n = h.shape[0]
+        kernels = _uses_kernels(h)
+        keep = any(ctx.needs_input_grad[:2]) and n * weight.shape[0] * h.element_size() <= KEEP_LOGITS_BYTES
+        rows, grad_rows = _block_rows(h, weight.shape[0], block_rows, kernels, keep)
         logp = torch.empty(n, dtype=acc, device=h.device)
         entropy = torch.empty(n, dtype=acc, device=h.device)
         lse = torch.empty(n, dtype=acc, device=h.device)
-        keep = any(ctx.needs_input_grad[:2]) and n * weight.shape[0] * h.element_size() <= KEEP_LOGITS_BYTES
         kept = h.new_empty(n, weight.shape[0]) if keep else None
+        statistics = logit_rows.row_statistics if kernels else block_statistics
         for a in range(0, n, rows):
             hb = h[a:a + rows]
             z = hb @ weight.t() if kept is None else torch.mm(hb, weight.t(), out=kept[a:a + rows])
-            lse[a:a + rows], logp[a:a + rows], entropy[a:a + rows] = block_statistics(z, targets[a:a + rows], scale)
+            lse[a:a + rows], logp[a:a + rows], entropy[a:a + rows] = statistics(z, targets[a:a + rows], scale)
         ctx.save_for_backward(h, weight, targets, lse, kept)
-        ctx.scale, ctx.rows = scale, grad_rows
+        ctx.scale, ctx.rows, ctx.kernels = scale, grad_rows, kernels
+        ctx.kept_overwritten = False
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -100,6 +110,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
         h, weight, targets, lse, kept = ctx.saved_tensors
         scale, rows = ctx.scale, ctx.rows
+        if ctx.kept_overwritten:  # a second backward (retain_graph): the kernels wrote the first one's over it
+            kept = None
         dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         # blocks add into dW in place (a temporary [V, d] per block would cost a full weight's memory);
         # each block's GEMM accumulates in fp32, the sum over blocks is in the weight's dtype
@@ -107,14 +119,18 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         for a in range(0, h.shape[0], rows):
             hb = h[a:a + rows]
             z = hb @ weight.t() if kept is None else kept[a:a + rows]
-            dz = block_logit_grad(z, lse[a:a + rows], targets[a:a + rows], grad_logp[a:a + rows], scale)
+            if ctx.kernels:  # the gradient over z: a kept output is spent
+                dz = logit_rows.logit_grad_(z, lse[a:a + rows], targets[a:a + rows], grad_logp[a:a + rows], scale)
+            else:
+                dz = block_logit_grad(z, lse[a:a + rows], targets[a:a + rows], grad_logp[a:a + rows], scale)
             if dh is not None:
                 dh[a:a + rows] = dz @ weight
             if dw is not None and a == 0:
                 torch.mm(dz.t(), hb, out=dw)
             elif dw is not None:
                 dw.addmm_(dz.t(), hb)
-        return dh, dw, None, None, None, None
+        ctx.kept_overwritten = ctx.kept_overwritten or (kept is not None and ctx.kernels)
+        return dh, dw, None, None, None
 
 
 def linear_token_logprobs(h: Tensor, weight: Tensor, targets: Tensor, scale: float = 1.0,
@@ -128,5 +144,4 @@ def linear_token_logprobs(h: Tensor, weight: Tensor, targets: Tensor, scale: flo
     if targets.shape != h.shape[:1] or targets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"linear_token_logprobs: targets must be integer [N={h.shape[0]}], "
                          f"got {targets.dtype} {tuple(targets.shape)}")
-    rows, grad_rows = _block_rows(h, weight.shape[0], block_rows)
-    return _LinearTokenLogprobs.apply(h, weight, targets.long(), float(scale), rows, grad_rows)
+    return _LinearTokenLogprobs.apply(h, weight, targets.long(), float(scale), block_rows)

@@ -1,10 +1,19 @@
-"""linear_token_logprobs: the blockwise head + log-softmax equals the full-logits computation."""
+"""linear_token_logprobs: the blockwise head + log-softmax equals the full-logits computation.
+
+The row kernels (kimi_kernels/logit_rows.py) run on CUDA or, without a GPU, under Triton's interpreter:
+    TRITON_INTERPRET=1 PYTHONPATH=<triton's site> pytest tests/kernels/test_kernels_logprobs.py -k row_kernels
+The interpreter test runs those in a subprocess (tests/kernels/triton_interpreter.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kimi_kernels import logit_rows
 from kimi_kernels.logprobs import linear_token_logprobs
+from tests.kernels.triton_interpreter import DEVICE, needs_interpreter_site, run_under_interpreter
+
+kernels_run_here = logit_rows.available(torch.empty(0, device=DEVICE))
+usable = pytest.mark.skipif(not kernels_run_here, reason="needs Triton with CUDA, or TRITON_INTERPRET=1")
 
 
 def _reference(h, w, t, scale):
@@ -64,59 +73,80 @@ def test_bad_shapes_fail_with_one_line_messages():
         assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_the_compiled_block_chains_equal_the_full_logits_path(monkeypatch, backend):
-    """The per-block chains as CUDA runs them (compiled, kimi_kernels/fusion.py), here on the CPU:
-    float32 values and gradients of the full-logits path, two block sizes (two compiled shapes) and
-    the default blocks, whose backward ones are larger than the forward's."""
-    import kimi_kernels.fusion as fusion
+def _inputs(seed, n=13, d=8, vocab=40, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g).to(device).requires_grad_(True)
+    w = torch.randn(vocab, d, generator=g).to(device).requires_grad_(True)
+    return h, w, torch.randint(0, vocab, (n,), generator=g).to(device), g
+
+
+@usable
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("rows", [5, 13, None])
+def test_the_row_kernels_equal_the_full_logits_path(monkeypatch, rows, keep):
+    """float32 values and gradients of the full-logits path with the Triton row kernels: blocks of 5
+    and 13 rows and the defaults (all rows at once where the output is kept; else 5 rows forward and
+    10 backward), the head's output kept for the backward or recomputed; a vocabulary past one
+    program's columns."""
     import kimi_kernels.logprobs as lp
 
-    monkeypatch.setattr(fusion, "_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(fusion, "_BACKEND", backend)
-    monkeypatch.setattr(lp, "block_statistics", fusion.fused_on_cuda(lp.block_statistics.__wrapped__))
-    monkeypatch.setattr(lp, "block_logit_grad", fusion.fused_on_cuda(lp.block_logit_grad.__wrapped__))
-    torch._dynamo.reset()
-    prev = fusion.set_fusion(True)
-    try:
-        g = torch.Generator().manual_seed(3)
-        h = torch.randn(13, 8, generator=g, requires_grad=True)
-        w = torch.randn(40, 8, generator=g, requires_grad=True)
-        t = torch.randint(0, 40, (13,), generator=g)
-        # None: the default blocks, here 5 rows forward and 10 backward (the backward's are larger)
-        monkeypatch.setattr(lp, "_FUSED_BLOCK_ELEMENTS", 5 * 40)
-        monkeypatch.setattr(lp, "_FUSED_GRAD_BLOCK_ELEMENTS", 10 * 40)
-        for rows in (5, 13, None):
-            logp, ent = linear_token_logprobs(h, w, t, scale=1 / 0.7, block_rows=rows)
-            ref_logp, ref_ent = _reference(h, w, t, 1 / 0.7)
-            torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ent, ref_ent.detach().float(), rtol=1e-5, atol=1e-5)
-            upstream = torch.randn(13, generator=g)
-            got, want = torch.autograd.grad(logp, (h, w), upstream), torch.autograd.grad(ref_logp, (h, w), upstream)
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a, b.float(), rtol=1e-4, atol=1e-5)
-    finally:
-        fusion.set_fusion(prev)
-        torch._dynamo.reset()
+    monkeypatch.setattr(lp, "_KERNEL_BLOCK_ELEMENTS", 5 * 9000)
+    monkeypatch.setattr(lp, "_KERNEL_GRAD_BLOCK_ELEMENTS", 10 * 9000)
+    monkeypatch.setattr(lp, "KEEP_LOGITS_BYTES", 1 << 40 if keep else 0)
+    h, w, t, g = _inputs(3, vocab=9000, device=DEVICE)
+    logp, ent = linear_token_logprobs(h, w, t, scale=1 / 0.7, block_rows=rows)
+    ref_logp, ref_ent = _reference(h, w, t, 1 / 0.7)
+    torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent.detach().float(), rtol=1e-5, atol=1e-5)
+    upstream = torch.randn(13, generator=g).to(DEVICE)
+    got, want = torch.autograd.grad(logp, (h, w), upstream), torch.autograd.grad(ref_logp, (h, w), upstream)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b.float(), rtol=1e-4, atol=1e-5)
 
 
-def test_a_fused_block_holds_twice_the_rows_of_an_unfused_one(monkeypatch):
-    """Unfused, a block materialises float32 copies of its logits; fused, only its logits and their
-    gradient in h's dtype: the default block doubles where the chains run compiled."""
-    import kimi_kernels.fusion as fusion
+@usable
+def test_the_row_kernels_second_backward_recomputes_the_output_they_overwrote():
+    """The kernels write the logits' gradient over the kept head output; a second backward through the
+    same graph (retain_graph) runs the head's GEMM again instead of reading the overwritten values."""
+    h, w, t, _ = _inputs(5, device=DEVICE)
+    logp, _ = linear_token_logprobs(h, w, t, scale=0.9)
+    first = torch.autograd.grad(logp.sum(), (h, w), retain_graph=True)
+    second = torch.autograd.grad(logp.sum(), (h, w))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 under the interpreter is not the GPU's")
+def test_the_row_kernels_in_bfloat16_equal_the_torch_ops_on_the_same_logits():
+    z = (3 * torch.randn(64, 163_840, device="cuda")).bfloat16()
+    t = torch.randint(0, 163_840, (64,), device="cuda")
     import kimi_kernels.logprobs as lp
 
-    h = torch.zeros(2, 8)
-    prev = fusion.set_fusion(True)
-    try:
-        assert lp._block_rows(h, 163_840, None) == (409, 409)
-        monkeypatch.setattr(fusion, "_DEVICE_TYPES", ("cuda", "cpu"))
-        assert lp._block_rows(h, 163_840, None) == (819, 3276)  # the backward's blocks 4x: fewer passes over dW
-        assert lp._block_rows(h, 163_840, 7) == (7, 7)
-        fusion.set_fusion(False)
-        assert lp._block_rows(h, 163_840, None) == (409, 409)
-    finally:
-        fusion.set_fusion(prev)
+    for got, want in zip(logit_rows.row_statistics(z, t, 0.8), lp.block_statistics(z, t, 0.8)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    lse, g = lp.block_statistics(z, t, 0.8)[0], torch.randn(64, device="cuda")
+    want = lp.block_logit_grad(z, lse, t, g, 0.8)
+    torch.testing.assert_close(logit_rows.logit_grad_(z.clone(), lse, t, g, 0.8), want, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.skipif(kernels_run_here, reason="the kernel tests run in this process")
+@needs_interpreter_site
+def test_the_row_kernel_tests_pass_under_triton_s_interpreter():
+    run = run_under_interpreter(__file__, "row_kernels")
+    assert run.returncode == 0 and "7 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+def test_a_block_holds_twice_the_rows_with_the_kernels_and_all_of_them_when_kept():
+    """Op by op a block materialises float32 copies of its logits; the kernels hold only its logits in
+    h's dtype: twice the rows, more in the backward (fewer passes over dW), the whole call at once
+    where the output is kept."""
+    import kimi_kernels.logprobs as lp
+
+    h = torch.zeros(2000, 8)
+    assert lp._block_rows(h, 163_840, None, kernels=False, keep=True) == (409, 409)
+    assert lp._block_rows(h, 163_840, None, kernels=True, keep=False) == (819, 3276)
+    assert lp._block_rows(h, 163_840, None, kernels=True, keep=True) == (2000, 2000)
+    assert lp._block_rows(h, 163_840, 7, kernels=True, keep=True) == (7, 7)
 
 
 def _backward_flops(h, w, t, rows):
