@@ -182,13 +182,44 @@ def model_step(cfg: Any, seq: int, batch: int, configs: list[str], warmup: int, 
                 f"peak {res[name]['peak_mem_gib']} GiB")
             if profile and name == "fast":
                 res["profile_top"] = kernel_profile(step)
+                res["host"] = host_profile(step)
     timed = {n: r["fwd_bwd_ms"] for n, r in res.items() if isinstance(r, dict) and "fwd_bwd_ms" in r}
     if "fast" in timed:
         res["speedup_fast_vs"] = {n: round(ms / timed["fast"], 2) for n, ms in timed.items() if n != "fast"}
     RESULTS[f"{cfg.name}_B{batch}_T{seq}" + (f"_packed_{packed}" if packed else "")] = res
 
 
-def kernel_profile(step: Callable[[], None], top: int = 25) -> dict[str, list[dict[str, Any]]]:
+def host_profile(step: Callable[[], None], top: int = 15) -> dict[str, Any]:
+    """Where the host holds the GPU up: the milliseconds until one step's Python returns (the GPU
+    idles where that reaches the step's time) and the calls that wait for the GPU (a synchronizing
+    op drains the queue: every launch after it is exposed), by the line that made them."""
+    import time
+    import warnings
+    from collections import Counter
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    host_ms = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    gpu_done_ms = (time.perf_counter() - start) * 1e3
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = Counter(f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in caught
+                    if "synchroniz" in str(w.message))
+    log(f"host: {host_ms:.1f} ms to enqueue a step that finished after {gpu_done_ms:.1f} ms; "
+        f"{sum(syncs.values())} synchronizing calls: {syncs.most_common(top)}")
+    return {"host_ms": round(host_ms, 2), "done_ms": round(gpu_done_ms, 2), "syncs": sum(syncs.values()),
+            "sync_sites": syncs.most_common(top)}
+
+
+def kernel_profile(step: Callable[[], None], top: int = 25) -> dict[str, Any]:
     """GPU time over one step, largest first: per kernel, and per PyTorch op with its input
     shapes (which call launched the copies and elementwise kernels)."""
     from torch.profiler import ProfilerActivity, profile
@@ -201,8 +232,9 @@ def kernel_profile(step: Callable[[], None], top: int = 25) -> dict[str, list[di
                if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("## ")]
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in kernels) or 1.0
-    log(f"kernel time over one step: {total / 1e3:.1f} ms in all")
-    out: dict[str, list[dict[str, Any]]] = {"kernels": [], "ops": []}
+    log(f"kernel time over one step: {total / 1e3:.1f} ms in all, {sum(e.count for e in kernels)} launches")
+    out: dict[str, Any] = {"kernel_ms": round(total / 1e3, 2), "launches": sum(e.count for e in kernels),
+                           "kernels": [], "ops": []}
     for e in kernels[:top]:
         out["kernels"].append({"kernel": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2),
                                "pct": round(100 * e.device_time_total / total, 1)})

@@ -20,18 +20,24 @@ PAD_ALLOWANCE = 16
 
 
 def check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int, who: str) -> None:
-    """cu_seqlens must describe a packed row [1, length]: start at 0, end at `length`, never decrease."""
+    """cu_seqlens must describe a packed row [1, length]: start at 0, end at `length`, never decrease.
+    A tensor is read once: every layer of a forward checks the same boundaries, and each host read of a
+    CUDA tensor drains the GPU's queue (the launches after it then run exposed). The pass is remembered
+    on the tensor with its version counter, so an in-place change is checked again."""
     if batch != 1:
         raise ValueError(f"{who}: cu_seqlens packs sequences into one row: batch must be 1, got {batch}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{who}: cu_seqlens must be an integer tensor [N+1] with N >= 1, "
                          f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if getattr(cu_seqlens, "_checked_row", None) == (length, cu_seqlens._version):
+        return
     # host reads: the boundaries are built on the host by the learner's collator, and a wrong one would
     # silently mix sequences
     first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
     if first != 0 or last != length or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         raise ValueError(f"{who}: cu_seqlens must rise from 0 to the row's length {length}, "
                          f"got {cu_seqlens.tolist()}")
+    cu_seqlens._checked_row = (length, cu_seqlens._version)
 
 
 def segment_ids(cu_seqlens: Tensor, length: int) -> Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from kimi_kernels.kda import kda, kda_chunk, kda_recurrent
 from kimi_kernels.ops import short_conv
-from kimi_kernels.varlen import (PAD_ALLOWANCE, PAD_SLACK, length_buckets, positions_in_segment, repad_buckets,
+from kimi_kernels.varlen import (PAD_ALLOWANCE, PAD_SLACK, check_cu_seqlens, length_buckets, positions_in_segment, repad_buckets,
                                  repad_index, segment_ids, to_packed, to_padded)
 from test_kernels_kda import make_inputs
 
@@ -58,6 +58,22 @@ def test_kda_packed_refuses_states_and_bad_boundaries():
     q2, k2, v2, g2, beta2, _ = make_inputs(B=2, T=10, seed=1)
     with pytest.raises(ValueError, match="batch must be 1"):
         kda_chunk(q2, k2, v2, g2, beta2, cu_seqlens=cu([4, 6]))
+
+
+def test_boundaries_are_read_once_per_tensor_and_again_after_an_in_place_change():
+    """Every layer of a forward checks the same cu_seqlens; each check read it from the device (a sync on
+    CUDA). A tensor that passed is not read again for the same row length; written in place, it is."""
+    bounds = cu([4, 6])
+    check_cu_seqlens(bounds, 1, 10, "first layer")
+    bounds.data[1] = 11  # behind autograd's version counter: the remembered pass stands, nothing is read
+    check_cu_seqlens(bounds, 1, 10, "second layer")
+    with pytest.raises(ValueError, match="length 12"):  # another row length is checked afresh
+        check_cu_seqlens(bounds, 1, 12, "other row")
+    bounds.data[1] = 4
+    check_cu_seqlens(bounds, 1, 10, "third layer")
+    bounds[1] = 11  # an in-place write bumps the version: checked again
+    with pytest.raises(ValueError, match="rise from 0 to the row's length 10"):
+        check_cu_seqlens(bounds, 1, 10, "after the write")
 
 
 @pytest.mark.parametrize("lengths", [[5, 1, 9, 3], [2, 2, 2], [12]], ids=str)
