@@ -232,9 +232,9 @@ def kernel_profile(step: Callable[[], None], top: int = 25) -> dict[str, Any]:
                if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("## ")]
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in kernels) or 1.0
-    log(f"kernel time over one step: {total / 1e3:.1f} ms in all, {sum(e.count for e in kernels)} launches")
-    out: dict[str, Any] = {"kernel_ms": round(total / 1e3, 2), "launches": sum(e.count for e in kernels),
-                           "kernels": [], "ops": []}
+    launches = sum(e.count for e in kernels)
+    log(f"kernel time over one step: {total / 1e3:.1f} ms in all, {launches} launches")
+    out: dict[str, Any] = {"kernel_ms": round(total / 1e3, 2), "launches": launches, "kernels": [], "ops": []}
     for e in kernels[:top]:
         out["kernels"].append({"kernel": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2),
                                "pct": round(100 * e.device_time_total / total, 1)})

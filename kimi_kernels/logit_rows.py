@@ -11,9 +11,9 @@ gradient g of log p(t):
 z-weighted sum in fp32 (rescaled when the maximum grows); `logit_grad_` writes dz over z in place.
 Compiled by inductor as elementwise chains they took 4.6 + 4.5 ms of a 132.8 ms learner step of the
 Kimi-Linear shape at 8K tokens on an H100, where one read (and one write) of the 2.7 GB of bf16 logits
-is ~0.8 ms each at the card's bandwidth; these kernels took 1.23 + 1.41 ms on an H200 (2026-12-06). They need Triton and CUDA tensors, or
-Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, how the tests run them without a GPU;
-`linear_token_logprobs` keeps torch's ops as the CPU path and the oracle.
+is ~0.8 ms each at the card's bandwidth; these kernels took 1.23 + 1.41 ms on an H200 (2026-12-06). They
+need Triton and CUDA tensors, or Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, how the tests
+run them without a GPU; `linear_token_logprobs` keeps torch's ops as the CPU path and the oracle.
 """
 from __future__ import annotations
 

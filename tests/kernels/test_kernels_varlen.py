@@ -8,8 +8,8 @@ import torch
 
 from kimi_kernels.kda import kda, kda_chunk, kda_recurrent
 from kimi_kernels.ops import short_conv
-from kimi_kernels.varlen import (PAD_ALLOWANCE, PAD_SLACK, check_cu_seqlens, length_buckets, positions_in_segment, repad_buckets,
-                                 repad_index, segment_ids, to_packed, to_padded)
+from kimi_kernels.varlen import (PAD_ALLOWANCE, PAD_SLACK, check_cu_seqlens, length_buckets, positions_in_segment,
+                                 repad_buckets, repad_index, segment_ids, to_packed, to_padded)
 from test_kernels_kda import make_inputs
 
 LENGTHS = [[70], [5, 64, 1, 30], [64, 64], [1, 1, 1], [10, 0, 50, 3], [130, 7, 65]]
