@@ -52,7 +52,7 @@ def main() -> None:
         adam_beta1=h["betas"][0], adam_beta2=h["betas"][1], adam_epsilon=h["adam_eps"], weight_decay=h["weight_decay"],
         max_grad_norm=h["grad_clip"], beta=0.0, loss_type="dapo", scale_rewards="none", epsilon=h["eps_low"],
         epsilon_high=h["eps_high"], num_iterations=1, shuffle_dataset=False, use_vllm=False, use_cpu=True,
-        bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to="none", seed=spec["seed"],
+        bf16=h.get("precision") == "bfloat16", fp16=False, logging_steps=1, save_strategy="no", report_to="none", seed=spec["seed"],
         dataloader_num_workers=0, disable_tqdm=True, log_completions=False, gradient_checkpointing=False)
     rows = [{"prompt": p["prompt"], "question": p["question"], "answer": p["answer"]} for p in spec["prompts"]]
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])

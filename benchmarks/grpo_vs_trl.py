@@ -10,6 +10,9 @@ loss over the batch (TRL's "dapo"), no reward scaling, no dynamic sampling (TRL 
   are checked equal), graded by this repository's grader (the driver serves it over a local socket).
 - Ours: `rl train configs/vllm_cpu.yaml` with the same settings, synchronous (max_staleness 0) and
   asynchronous (max_staleness 1).
+- `--precision bfloat16`: both sides train in bf16 mixed precision (TRL: `bf16=True`, accelerate's CPU
+  autocast; ours: `train.cpu_matmul_dtype=bfloat16`); float32 weights and optimizer on both, rollouts as
+  each side serves them (vLLM in the config's dtype; transformers' generate under TRL's autocast).
 - Held-out reward: each trained model is evaluated the same way (`rl eval`: the config's held-out
   tasks x 4 samples at temperature 1, served by vLLM-CPU).
 
@@ -19,6 +22,7 @@ machine's load average before and after each run (this CPU is shared: measure wh
 
     python benchmarks/grpo_vs_trl.py --setup                     # once: the TRL virtualenv
     python benchmarks/grpo_vs_trl.py [--steps 24 --repeats 2 --only trl ours-sync ours-async]
+                                     [--precision bfloat16 --out runs/bench-trl-bf16]
     python benchmarks/grpo_vs_trl.py --report runs/bench-trl/results.json   # the table again
 
 Each run's figures are added to the results file as it finishes (a later call with --only adds
@@ -248,7 +252,7 @@ def hyperparameters(config: Path, overrides: list[str], steps: int) -> dict[str,
     return {"steps": steps, "groups": cfg.rollout.groups_per_step, "group_size": cfg.rollout.group_size,
             "max_new_tokens": cfg.effort.budgets[EFFORT], "temperature": cfg.rollout.temperature, "lr": t.lr,
             "betas": list(t.betas), "adam_eps": t.adam_eps, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
-            "eps_low": t.eps_low, "eps_high": t.eps_high}
+            "eps_low": t.eps_low, "eps_high": t.eps_high, "precision": t.cpu_matmul_dtype}
 
 
 def main() -> None:
@@ -257,6 +261,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads on TRL's side (ours: train.threads)")
+    ap.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
+                    help="both sides' training precision (bfloat16: mixed, float32 weights and optimizer)")
     ap.add_argument("--only", nargs="+", choices=["trl", *VARIANTS], default=["trl", *VARIANTS])
     ap.add_argument("--out", default=str(REPO / "runs" / "bench-trl"))
     ap.add_argument("--report", default=None, help="print the table of an existing results file and exit")
@@ -271,10 +277,13 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
-    common = [*SAME, f"train.steps={args.steps}", f"train.threads={args.threads}"]
-    results = json.loads(path.read_text()) if path.exists() else {"steps": args.steps, "runs": {}}
-    if results["steps"] != args.steps:
-        raise SystemExit(f"{path} holds runs of {results['steps']} steps, not {args.steps}")
+    common = [*SAME, f"train.steps={args.steps}", f"train.threads={args.threads}",
+              f"train.cpu_matmul_dtype={args.precision}"]
+    results = json.loads(path.read_text()) if path.exists() else {"steps": args.steps, "runs": {},
+                                                                  "precision": args.precision}
+    if results["steps"] != args.steps or results.get("precision", "float32") != args.precision:
+        raise SystemExit(f"{path} holds runs of {results['steps']} steps in {results.get('precision', 'float32')}, "
+                         f"not {args.steps} in {args.precision}")
     from rl.config import load_config
 
     cfg = load_config(str(CONFIG), common)

@@ -6,10 +6,13 @@ template around small sums; completions of the config's lengths), trained by
   policy-gradient loss, backward and torch's AdamW (what TRL's GRPOTrainer does per step);
 - learner: our Learner (DeepSpeed, packed rows, HFPolicy's blockwise logprobs) in this process.
 
-Seconds per step are medians over `--iters` steps after one warm-up step, interleaved (both see the
-same background load: this CPU is shared); tokens/s counts the real (unpadded) tokens of the batch.
+each in the precisions asked for: float32, and bfloat16 (plain: the whole forward under CPU autocast, as
+accelerate's bf16 mixed precision runs TRL; learner: train.cpu_matmul_dtype=bfloat16, the head in
+float32). Seconds per step are medians over `--iters` steps after one warm-up step, interleaved (every
+side sees the same background load: this CPU is shared); tokens/s counts the real (unpadded) tokens.
 
-    python benchmarks/learner_hf_cpu.py [--groups 8 --group-size 8 --threads 2 --iters 3]"""
+    python benchmarks/learner_hf_cpu.py [--groups 8 --group-size 8 --threads 2 --iters 3]
+                                        [--precisions float32 bfloat16]"""
 from __future__ import annotations
 
 import argparse
@@ -55,8 +58,8 @@ def batch_samples(model_dir: str, groups: int, group_size: int, max_new: int, se
     return samples
 
 
-def plain_step(model, optimizer, samples, pad_id: int) -> None:
-    """One transformers training step on the batch, right-padded."""
+def plain_step(model, optimizer, samples, pad_id: int, autocast: bool = False) -> None:
+    """One transformers training step on the batch, right-padded; `autocast`: forward in bf16 autocast."""
     T = max(len(s.tokens) for s in samples)
     ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
     attn = torch.zeros(len(samples), T, dtype=torch.long)
@@ -66,7 +69,8 @@ def plain_step(model, optimizer, samples, pad_id: int) -> None:
         ids[i, :len(s.tokens)] = torch.tensor(s.tokens)
         attn[i, :len(s.tokens)] = 1
         mask[i, :len(s.tokens)] = torch.tensor(s.loss_mask, dtype=torch.float32)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
     logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     m = mask[:, 1:]
     loss = -(adv[:, None] * torch.exp(logp - logp.detach()) * m).sum() / m.sum()
@@ -74,6 +78,21 @@ def plain_step(model, optimizer, samples, pad_id: int) -> None:
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def plain_runner(model_dir: str, samples, pad_id: int, autocast: bool):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-6, betas=(0.9, 0.99))
+    return lambda: plain_step(model, opt, samples, pad_id, autocast)
+
+
+def learner_runner(learner, samples):
+    from rl.types import RolloutBatch
+
+    step = iter(range(10**6))
+    return lambda: learner.train_step(RolloutBatch(next(step), samples))
 
 
 def main() -> None:
@@ -84,15 +103,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--only", choices=["plain", "learner"], default=None)
+    ap.add_argument("--precisions", nargs="+", choices=["float32", "bfloat16"], default=["float32"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
-
     from policy.smollm2 import import_smollm2
     from rl.config import TrainConfig
     from rl.learner.learner import Learner, free_port
-    from rl.types import RolloutBatch
 
     model_dir = str(import_smollm2())
     samples = batch_samples(model_dir, args.groups, args.group_size, args.max_new)
@@ -102,15 +119,14 @@ def main() -> None:
                      "prompt_tokens": len(samples[0].tokens) - sum(samples[0].loss_mask)}
     log(f"{len(samples)} rows, {tokens} tokens, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
     runs = {}
-    if args.only in (None, "plain"):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=5e-6, betas=(0.9, 0.99))
-        runs["plain"] = lambda: plain_step(model, opt, samples, pad_id)
-    if args.only in (None, "learner"):
-        learner = Learner({"hf_path": model_dir}, TrainConfig(lr=5e-6, threads=args.threads), 24, 1.0, pad_id, 0)
-        learner.start("127.0.0.1", free_port())
-        step = iter(range(10**6))
-        runs["learner"] = lambda: learner.train_step(RolloutBatch(next(step), samples))
+    for precision in args.precisions:
+        if args.only in (None, "plain"):
+            runs[f"plain/{precision}"] = plain_runner(model_dir, samples, pad_id, precision == "bfloat16")
+        if args.only in (None, "learner"):
+            cfg = TrainConfig(lr=5e-6, threads=args.threads, cpu_matmul_dtype=precision)
+            learner = Learner({"hf_path": model_dir}, cfg, 24, 1.0, pad_id, 0)
+            learner.start("127.0.0.1", free_port())
+            runs[f"learner/{precision}"] = learner_runner(learner, samples)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(args.iters + 1):
         for name, fn in runs.items():

@@ -84,8 +84,8 @@ def block_logit_grad(z: Tensor, lse: Tensor, targets: Tensor, grad_logp: Tensor,
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, scale: float, block_rows: int | None
-                ) -> tuple[Tensor, Tensor]:
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, scale: float, block_rows: int | None,
+                grad_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
         acc = _acc(h)
         n = h.shape[0]
         kernels = _uses_kernels(h)
@@ -101,7 +101,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             z = hb @ weight.t() if kept is None else torch.mm(hb, weight.t(), out=kept[a:a + rows])
             lse[a:a + rows], logp[a:a + rows], entropy[a:a + rows] = statistics(z, targets[a:a + rows], scale)
         ctx.save_for_backward(h, weight, targets, lse, kept)
-        ctx.scale, ctx.rows, ctx.kernels = scale, grad_rows, kernels
+        ctx.scale, ctx.rows, ctx.kernels, ctx.grad_dtype = scale, grad_rows, kernels, grad_dtype
         ctx.kept_overwritten = False
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -116,6 +116,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         # blocks add into dW in place (a temporary [V, d] per block would cost a full weight's memory);
         # each block's GEMM accumulates in fp32, the sum over blocks is in the weight's dtype
         dw = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        # grad_dtype: the two gradient GEMMs' operands in it (a CPU's bf16 is several times faster); the
+        # forward, and so the log-probabilities, keep h's dtype
+        low = ctx.grad_dtype if ctx.grad_dtype not in (None, h.dtype) else None
+        weight_low = weight.to(low) if low is not None else weight
         for a in range(0, h.shape[0], rows):
             hb = h[a:a + rows]
             z = hb @ weight.t() if kept is None else kept[a:a + rows]
@@ -123,25 +127,30 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                 dz = logit_rows.logit_grad_(z, lse[a:a + rows], targets[a:a + rows], grad_logp[a:a + rows], scale)
             else:
                 dz = block_logit_grad(z, lse[a:a + rows], targets[a:a + rows], grad_logp[a:a + rows], scale)
+            if low is not None:
+                dz, hb = dz.to(low), hb.to(low)
             if dh is not None:
-                dh[a:a + rows] = dz @ weight
+                dh[a:a + rows] = dz @ weight_low
             if dw is not None and a == 0:
-                torch.mm(dz.t(), hb, out=dw)
+                dw.copy_(dz.t() @ hb) if low is not None else torch.mm(dz.t(), hb, out=dw)
             elif dw is not None:
-                dw.addmm_(dz.t(), hb)
+                dw.add_(dz.t() @ hb) if low is not None else dw.addmm_(dz.t(), hb)
         ctx.kept_overwritten = ctx.kept_overwritten or (kept is not None and ctx.kernels)
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
 
 
 def linear_token_logprobs(h: Tensor, weight: Tensor, targets: Tensor, scale: float = 1.0,
-                          block_rows: int | None = None) -> tuple[Tensor, Tensor]:
+                          block_rows: int | None = None, grad_dtype: torch.dtype | None = None
+                          ) -> tuple[Tensor, Tensor]:
     """h: [N, d] hidden states; weight: [V, d] (the LM head); targets: [N] token ids.
     Returns (log p(targets) [N], entropy [N]) of softmax(scale * h W^T), float32 (float64 for
-    float64 inputs); the entropy carries no gradient. Equal to log_softmax of the full logits."""
+    float64 inputs); the entropy carries no gradient. Equal to log_softmax of the full logits.
+    grad_dtype: the backward's GEMMs in this dtype (bf16 on a CPU: mixed precision's gradients); the
+    gradients are returned in h's and weight's dtypes."""
     if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_token_logprobs: need h [N, d] and weight [V, d], got {tuple(h.shape)} "
                          f"and {tuple(weight.shape)}")
     if targets.shape != h.shape[:1] or targets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"linear_token_logprobs: targets must be integer [N={h.shape[0]}], "
                          f"got {targets.dtype} {tuple(targets.shape)}")
-    return _LinearTokenLogprobs.apply(h, weight, targets.long(), float(scale), block_rows)
+    return _LinearTokenLogprobs.apply(h, weight, targets.long(), float(scale), block_rows, grad_dtype)

@@ -52,6 +52,13 @@ class HFPolicy(nn.Module):
         # a packed row's sequences that begin alike (a GRPO group's prompt) run their common prefix once
         self.share_prefixes = share_prefixes
         self.forwarded_tokens = 0  # tokens the model ran since construction (shared prefixes once)
+        self.body_dtype: torch.dtype | None = None  # set_body_dtype
+
+    def set_body_dtype(self, dtype: torch.dtype | None) -> None:
+        """Run the decoder's matrix products in `dtype` (autocast) on a CPU; None: in the weights' dtype.
+        The head stays out of it: its log-probabilities are computed from float32 hidden states and
+        weights, where bf16 logits would be off by up to ~0.1 nats."""
+        self.body_dtype = dtype
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "HFPolicy":
@@ -81,6 +88,40 @@ class HFPolicy(nn.Module):
                              "(set rollout.record_routing=false)")
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"HFPolicy.forward: input_ids must be [B, T>=1], got {tuple(input_ids.shape)}")
+        with self._body_autocast(input_ids.device):
+            h, tree = self._body(input_ids, cu_seqlens)
+        head = self.hf.get_output_embeddings()
+        if h.dtype != head.weight.dtype:  # hidden states of an autocast body, back to the head's dtype
+            h = h.to(head.weight.dtype)
+        if not return_token_logprobs:
+            logits = head(h if tree is None else h[:, tree.to_tree]).float()
+            return CausalLMOutput(logits if logit_scale == 1.0 else logits * logit_scale)
+        if head.bias is not None:
+            raise ValueError("HFPolicy: an output projection with a bias is not supported")
+        B, T = input_ids.shape
+        rows = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device)
+        if token_mask is not None:
+            rows = token_mask[:, 1:].to(torch.bool)
+        if cu_seqlens is not None:  # a sequence's first token is no prediction of the one before it
+            rows = rows & ~segment_starts(cu_seqlens, T)[None, 1:]
+        if tree is not None:
+            return tree.token_logprobs(h[0], head.weight, rows[0], logit_scale, self._head_grad_dtype(h))
+        logp, ent = linear_token_logprobs(h[:, :-1][rows], head.weight, input_ids[:, 1:][rows], logit_scale,
+                                          grad_dtype=self._head_grad_dtype(h))
+        full_logp = torch.zeros(B, T - 1, dtype=logp.dtype, device=h.device).masked_scatter(rows, logp)
+        full_ent = torch.zeros(B, T - 1, dtype=ent.dtype, device=h.device).masked_scatter(rows, ent)
+        return CausalLMOutput(None, token_logprobs=F.pad(full_logp, (1, 0)), token_entropy=F.pad(full_ent, (1, 0)))
+
+    def _head_grad_dtype(self, h: torch.Tensor) -> torch.dtype | None:
+        """The head's gradient GEMMs in the body's dtype (mixed precision's gradients); its forward in h's."""
+        return self.body_dtype if h.device.type == "cpu" else None
+
+    def _body_autocast(self, device: torch.device):
+        on = self.body_dtype is not None and device.type == "cpu"
+        return torch.autocast("cpu", dtype=self.body_dtype or torch.bfloat16, enabled=on)
+
+    def _body(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """The decoder's last hidden states, and the shared-prefix tree they are laid out by (None: by input_ids)."""
         tree = None
         if cu_seqlens is None:
             h = self.hf.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
@@ -101,24 +142,7 @@ class HFPolicy(nn.Module):
                 h = self.hf.base_model(input_ids=ids, position_ids=positions, use_cache=False,
                                        kimi_repad=repad).last_hidden_state
             self.forwarded_tokens += ids.numel()
-        head = self.hf.get_output_embeddings()
-        if not return_token_logprobs:
-            logits = head(h if tree is None else h[:, tree.to_tree]).float()
-            return CausalLMOutput(logits if logit_scale == 1.0 else logits * logit_scale)
-        if head.bias is not None:
-            raise ValueError("HFPolicy: an output projection with a bias is not supported")
-        B, T = input_ids.shape
-        rows = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device)
-        if token_mask is not None:
-            rows = token_mask[:, 1:].to(torch.bool)
-        if cu_seqlens is not None:  # a sequence's first token is no prediction of the one before it
-            rows = rows & ~segment_starts(cu_seqlens, T)[None, 1:]
-        if tree is not None:
-            return tree.token_logprobs(h[0], head.weight, rows[0], logit_scale)
-        logp, ent = linear_token_logprobs(h[:, :-1][rows], head.weight, input_ids[:, 1:][rows], logit_scale)
-        full_logp = torch.zeros(B, T - 1, dtype=logp.dtype, device=h.device).masked_scatter(rows, logp)
-        full_ent = torch.zeros(B, T - 1, dtype=ent.dtype, device=h.device).masked_scatter(rows, ent)
-        return CausalLMOutput(None, token_logprobs=F.pad(full_logp, (1, 0)), token_entropy=F.pad(full_ent, (1, 0)))
+        return h, tree
 
     def set_activation_checkpointing(self, on: bool) -> None:
         """transformers' own per-layer recomputation in backward (non-reentrant)."""
@@ -160,6 +184,12 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if kimi_repad is None:
         raise ValueError("packed attention needs kimi_repad (HFPolicy.forward passes it)")
     groups = query.shape[1] // key.shape[1]
+    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        # a CPU's bf16 flash-attention backward runs ~3x slower than its float32 one (a GRPO row's
+        # short sequences: 65 vs 23 ms a call): attention in float32, the projections around it in bf16
+        with torch.autocast("cpu", enabled=False):
+            return _packed_attention(module, query.float(), key.float(), value.float(), attention_mask, scaling,
+                                     dropout, kimi_repad, **kwargs)
     packed = query.new_zeros(query.shape[2], query.shape[1], value.shape[3])  # [T, H, Dv]
     for index, owned in kimi_repad:
         pad = lambda t: t[0][:, index].transpose(0, 1)  # noqa: E731 [H, T, D] -> [N, H, L, D]
@@ -188,14 +218,16 @@ class PrefixTree:
     owned: torch.Tensor  # [N, L] bool: the row whose output a tree token takes (a prefix's: its run's first)
 
     def token_logprobs(self, h: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
-                       logit_scale: float) -> CausalLMOutput:
+                       logit_scale: float, grad_dtype: torch.dtype | None = None) -> CausalLMOutput:
         """HFPolicy.forward's token logprobs [1, T] from the tree's hidden states h [Tc, d]: each tree
         token's logprob once (given its parent: the token before it in its sequence), copied to every
-        position of the packed row it stands for. rows [T-1]: the positions 1.. that need one."""
+        position of the packed row it stands for. rows [T-1]: the positions 1.. that need one;
+        grad_dtype: linear_token_logprobs'."""
         child = self.to_tree[1:][rows]
         parent = self.to_tree[:-1][rows]
         unique, first = _first_occurrences(child)
-        logp, ent = linear_token_logprobs(h[parent[first]], weight, self.ids[unique], logit_scale)
+        logp, ent = linear_token_logprobs(h[parent[first]], weight, self.ids[unique], logit_scale,
+                                          grad_dtype=grad_dtype)
         slot = torch.full((self.ids.shape[0],), -1, dtype=torch.long, device=h.device)
         slot[unique] = torch.arange(unique.numel(), device=h.device)
         at = slot[child]  # which computed logprob each needed position takes

@@ -553,6 +553,10 @@ class TrainConfig(Section):
     # token_mean: over the mini-batch's valid tokens; seq_mean_token_sum: Dr.GRPO's (its sequences times a constant)
     loss_agg: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
     threads: int = Field(default=2, ge=1, le=1024)  # torch threads in the learner (rollouts idle while it trains)
+    # a Hugging Face policy's learner on a CPU: its decoder's matrix products in this dtype (bfloat16:
+    # autocast; weights, gradients, AdamW and the head's log-probabilities stay float32). On CPUs with
+    # AMX bf16 is several times faster; train/mismatch shows what it costs against the rollout's logprobs
+    cpu_matmul_dtype: Literal["float32", "bfloat16"] = "float32"
     zero_stage: int = Field(default=0, ge=0, le=2)  # ZeRO-3 partitions weights; the push reads whole ones
     updates_per_step: int = Field(default=1, ge=1, le=1024)  # optimizer steps per batch (mini-batches of whole groups)
     # recompute each decoder layer's activations in backward instead of storing them (less memory, ~1 more forward)

@@ -82,3 +82,11 @@ def test_figures_leave_out_the_first_step_and_spread_over_runs():
     assert summary["ours-sync"]["speedup_vs_trl"] == pytest.approx(6.4 / 1.8)
     text = bench.table(summary, steps=24)
     assert "| ours-sync | 10.0 (10.0-10.0) | 6.40 (6.40-6.40) | 0.700 (0.700-0.700) | 3.56x |" in text
+
+
+def test_the_precision_reaches_both_sides(config):
+    hyper = bench.hyperparameters(config, [*bench.SAME, "train.cpu_matmul_dtype=bfloat16"], steps=3)
+    assert hyper["precision"] == "bfloat16"  # TRL's side: bf16=True
+    assert bench.hyperparameters(config, bench.SAME, steps=3)["precision"] == "float32"
+    side = (REPO / "benchmarks" / "_trl_grpo_side.py").read_text()
+    assert 'bf16=h.get("precision") == "bfloat16"' in side

@@ -178,3 +178,22 @@ def test_the_backward_reuses_the_head_output_kept_within_the_budget(monkeypatch)
         monkeypatch.setattr(lp, "KEEP_LOGITS_BYTES", 1 << 40)
         ctx_free, _ = linear_token_logprobs(h, w, t, block_rows=5)
     assert ctx_free.grad_fn is None
+
+
+def test_bf16_gradient_gemms_keep_the_float32_logprobs_and_gradient_dtypes():
+    """grad_dtype=bfloat16 (a CPU learner's mixed precision): the forward is the float32 one, bit for
+    bit; the gradients come back in float32, within bf16's rounding of the float32 ones."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(40, 32, generator=g, requires_grad=True)
+    w = (0.3 * torch.randn(300, 32, generator=g)).requires_grad_(True)
+    t = torch.randint(0, 300, (40,), generator=g)
+    upstream = torch.randn(40, generator=g)
+    exact, _ = linear_token_logprobs(h, w, t, 0.8, block_rows=16)
+    mixed, _ = linear_token_logprobs(h, w, t, 0.8, block_rows=16, grad_dtype=torch.bfloat16)
+    assert torch.equal(exact, mixed)
+    want = torch.autograd.grad(exact, (h, w), upstream)
+    got = torch.autograd.grad(mixed, (h, w), upstream)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32
+        assert not torch.equal(a, b)  # the GEMMs did run in bf16
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2 * float(b.abs().max()))
