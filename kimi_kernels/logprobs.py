@@ -63,23 +63,32 @@ def _acc(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _scaled(z: Tensor, scale: float) -> Tensor:
+    """z in the accumulation dtype, times scale; z itself where both are no-ops (never written to)."""
+    z = z.to(_acc(z))
+    return z if scale == 1.0 else z * scale
+
+
 def block_statistics(z: Tensor, targets: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """A block's head output z [r, V] (h's dtype) and its targets [r]: (logsumexp, log p(target),
-    entropy) of softmax(scale * z), each [r] in the accumulation dtype."""
-    z = z.to(_acc(z)) * scale
+    entropy) of softmax(scale * z), each [r] in the accumulation dtype. Op by op: each pass over the
+    block streams it through memory, so the probabilities are made and weighted in place."""
+    z = _scaled(z, scale)
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(1, targets[:, None]).squeeze(1) - lse
-    p = torch.exp(z - lse[:, None])
-    return lse, logp, lse - (p * z).sum(-1)
+    pz = torch.sub(z, lse[:, None]).exp_().mul_(z)  # p * z
+    return lse, logp, lse - pz.sum(-1)
 
 
 def block_logit_grad(z: Tensor, lse: Tensor, targets: Tensor, grad_logp: Tensor, scale: float) -> Tensor:
     """The gradient of sum_i grad_logp_i * log p_i(target_i) with respect to a block's head output z
-    [r, V]: scale * grad_logp_i * (onehot(target_i) - p_i), in z's dtype."""
-    acc = _acc(z)
-    p = torch.exp(z.to(acc) * scale - lse[:, None])
-    hit = torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]
-    return ((hit.to(acc) - p) * (grad_logp.to(acc) * scale)[:, None]).to(z.dtype)
+    [r, V]: scale * grad_logp_i * (onehot(target_i) - p_i), in z's dtype (-g p over the block, in
+    place, then +g at each row's target)."""
+    g = grad_logp.to(_acc(z)) * scale
+    dz = torch.sub(_scaled(z, scale), lse[:, None]).exp_().mul_(-g[:, None])
+    rows = torch.arange(z.shape[0], device=z.device)
+    dz[rows, targets] += g
+    return dz.to(z.dtype)
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
