@@ -5,6 +5,7 @@ the short conv, attention) take it and never let one sequence see another; per-t
 nothing. This module holds the bookkeeping they share."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -31,13 +32,22 @@ def check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int, who: str) -> N
                          f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     if getattr(cu_seqlens, "_checked_row", None) == (length, cu_seqlens._version):
         return
-    # host reads: the boundaries are built on the host by the learner's collator, and a wrong one would
-    # silently mix sequences
-    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
-    if first != 0 or last != length or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-        raise ValueError(f"{who}: cu_seqlens must rise from 0 to the row's length {length}, "
-                         f"got {cu_seqlens.tolist()}")
+    # one host read: the boundaries are built on the host by the learner's collator, and a wrong one
+    # would silently mix sequences; the values are kept for the re-padding plans (host_boundaries)
+    bounds = host_boundaries(cu_seqlens)
+    if bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{who}: cu_seqlens must rise from 0 to the row's length {length}, got {bounds}")
     cu_seqlens._checked_row = (length, cu_seqlens._version)
+
+
+def host_boundaries(cu_seqlens: Tensor) -> list[int]:
+    """cu_seqlens' values on the host, read once per tensor (again after an in-place change): a read
+    of a CUDA tensor drains the GPU's launch queue."""
+    cached = getattr(cu_seqlens, "_host_values", None)
+    if cached is None or cached[0] != cu_seqlens._version:
+        cached = (cu_seqlens._version, [int(v) for v in cu_seqlens.tolist()])
+        cu_seqlens._host_values = cached
+    return cached[1]
 
 
 def segment_ids(cu_seqlens: Tensor, length: int) -> Tensor:
@@ -60,15 +70,14 @@ def positions_in_segment(cu_seqlens: Tensor, length: int) -> Tensor:
 
 
 def repad_index(cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
-    """(index [N, L], real [N, L] bool), L the longest sequence: index[n, i] is the packed position
-    of token i of sequence n (0 where the sequence has ended), so packed[index] is the right-padded
-    batch and real marks its tokens."""
-    cu = cu_seqlens.long()
-    lengths = cu[1:] - cu[:-1]
-    longest = max(int(lengths.max()), 1)
-    offsets = torch.arange(longest, device=cu.device)
+    """(index [N, L], real [N, L] bool) on the host, L the longest sequence: index[n, i] is the packed
+    position of token i of sequence n (0 where the sequence has ended), so packed[index] is the
+    right-padded batch and real marks its tokens."""
+    bounds = torch.tensor(host_boundaries(cu_seqlens), dtype=torch.long)
+    lengths = bounds[1:] - bounds[:-1]
+    offsets = torch.arange(max(int(lengths.max()), 1))
     real = offsets[None, :] < lengths[:, None]
-    index = torch.where(real, cu[:-1, None] + offsets[None, :], torch.zeros_like(offsets)[None, :])
+    index = torch.where(real, bounds[:-1, None] + offsets[None, :], torch.zeros_like(offsets)[None, :])
     return index, real
 
 
@@ -89,16 +98,39 @@ def length_buckets(lengths: Sequence[int], slack: float = PAD_SLACK,
     return buckets
 
 
-def repad_buckets(index: Tensor, real: Tensor, cu_seqlens: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """repad_index's rows (index, real [N, L]; row n holds sequence n of cu_seqlens from its start)
-    cut into length_buckets: [(index_b, real_b)], each [N_b, L_b] with L_b its bucket's longest."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+@dataclass(frozen=True)
+class RepadBucket:
+    """Rows of like lengths of a packed row, re-padded: index [N_b, L_b] (each row's packed positions),
+    real [N_b, L_b] bool (the tokens a row owns: padding and a shared prefix's copies are not), and,
+    for writing the owned outputs back without a host read, their packed positions `dest` [n] and
+    their offsets `src` [n] in the bucket's flattened [N_b * L_b]."""
+
+    index: Tensor
+    real: Tensor
+    dest: Tensor
+    src: Tensor
+
+
+def repad_buckets(index: Tensor, real: Tensor, cu_seqlens: Tensor) -> list[RepadBucket]:
+    """repad_index's rows (index, real [N, L] on the host; row n holds sequence n of cu_seqlens from its
+    start) cut into length_buckets, each moved to cu_seqlens' device. Everything is worked out on the
+    host and copied in one go per bucket (pinned, without waiting, on CUDA), so a forward's layers
+    reach the GPU with no read that would drain its queue."""
+    lengths = [b - a for a, b in zip(host_boundaries(cu_seqlens), host_boundaries(cu_seqlens)[1:])]
+    index, real = index.cpu(), real.cpu()
     out = []
     for rows in length_buckets(lengths):
-        longest = lengths[rows[0]]
-        pick = torch.tensor(rows, device=index.device)
-        out.append((index[pick, :longest], real[pick, :longest]))
+        pick = torch.tensor(rows)
+        index_b, real_b = index[pick, :lengths[rows[0]]], real[pick, :lengths[rows[0]]]
+        src = real_b.reshape(-1).nonzero().squeeze(1)
+        out.append(RepadBucket(*(_to_device(t, cu_seqlens.device) for t in (index_b, real_b, index_b[real_b], src))))
     return out
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def to_padded(x: Tensor, index: Tensor) -> Tensor:
@@ -106,7 +138,7 @@ def to_padded(x: Tensor, index: Tensor) -> Tensor:
     return x[0][index]
 
 
-def to_packed(y: Tensor, index: Tensor, real: Tensor, out: Tensor) -> Tensor:
-    """Right-padded y [N, L, ...] -> `out` [T, ...] (unbatched: a packed row's positions) with the
-    real tokens of y in place, the rest of `out` as it was (out of place, for autograd)."""
-    return out.index_copy(0, index[real], y[real].to(out.dtype))
+def to_packed(y: Tensor, bucket: RepadBucket, out: Tensor) -> Tensor:
+    """A bucket's right-padded y [N_b, L_b, ...] -> `out` [T, ...] (unbatched: a packed row's positions)
+    with the tokens the bucket owns in place, the rest of `out` as it was (out of place, for autograd)."""
+    return out.index_copy(0, bucket.dest, y.flatten(0, 1)[bucket.src].to(out.dtype))

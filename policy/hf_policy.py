@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi_kernels.logprobs import linear_token_logprobs
-from kimi_kernels.varlen import (check_cu_seqlens, positions_in_segment, repad_buckets, repad_index, segment_starts,
-                                 to_packed)
+from kimi_kernels.varlen import (RepadBucket, check_cu_seqlens, positions_in_segment, repad_buckets, repad_index,
+                                 segment_starts, to_packed)
 
 from .model import CausalLMOutput
 
@@ -171,13 +171,13 @@ PACKED_ATTENTION = "kimi_packed"
 
 def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      kimi_repad: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                      kimi_repad: list[RepadBucket] | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention call on a packed row: query [1, H, T, D], key/value [1, Hkv, T, D]
     re-padded into one row per sequence and attended causally (padding comes after each row's
     tokens, so no query sees it), then packed again: [1, T, H, D] as transformers expects.
-    kimi_repad: buckets of rows of like lengths (kimi_kernels/varlen.py's repad_buckets), each
-    (index [N_b, L_b], owned [N_b, L_b]): a row's token i is packed position index[n, i]; each
+    kimi_repad: buckets of rows of like lengths (kimi_kernels/varlen.py's repad_buckets), each with
+    index [N_b, L_b] and real [N_b, L_b]: a row's token i is packed position index[n, i]; each
     packed position's output is taken from the one row that owns it (a shared prefix appears in
     every row of its group, owned by the first). Registered under PACKED_ATTENTION, a name with no
     mask function: transformers builds no mask."""
@@ -191,11 +191,11 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             return _packed_attention(module, query.float(), key.float(), value.float(), attention_mask, scaling,
                                      dropout, kimi_repad, **kwargs)
     packed = query.new_zeros(query.shape[2], query.shape[1], value.shape[3])  # [T, H, Dv]
-    for index, owned in kimi_repad:
-        pad = lambda t: t[0][:, index].transpose(0, 1)  # noqa: E731 [H, T, D] -> [N, H, L, D]
+    for bucket in kimi_repad:
+        pad = lambda t: t[0][:, bucket.index].transpose(0, 1)  # noqa: E731 [H, T, D] -> [N, H, L, D]
         out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scaling,
                                              enable_gqa=groups > 1)  # [N, H, L, D]
-        packed = to_packed(out.transpose(1, 2), index, owned, packed)
+        packed = to_packed(out.transpose(1, 2), bucket, packed)
     return packed.unsqueeze(0), None
 
 
@@ -214,6 +214,7 @@ class PrefixTree:
     ids: torch.Tensor  # [Tc] the tree's tokens
     positions: torch.Tensor  # [Tc] each token's position in its sequence
     to_tree: torch.Tensor  # [T] where each token of the packed row sits in the tree
+    # on the host (repad_buckets takes them there and moves its buckets to the device)
     index: torch.Tensor  # [N, L] attention rows: sequence n's token i is tree token index[n, i]
     owned: torch.Tensor  # [N, L] bool: the row whose output a tree token takes (a prefix's: its run's first)
 
@@ -293,7 +294,7 @@ def shared_prefix_tree(ids: torch.Tensor, cu_seqlens: torch.Tensor,
                 owned[n, :shared] = False  # the run's first sequence gives the prefix its output
     as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(ids.device)  # noqa: E731
     return PrefixTree(as_long(np.concatenate(tree_ids)).long(), as_long(np.concatenate(positions)),
-                      as_long(to_tree), as_long(index), torch.from_numpy(owned).to(ids.device))
+                      as_long(to_tree), torch.from_numpy(index), torch.from_numpy(owned))
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -223,18 +223,17 @@ class MLAMixer(nn.Module):
         """The row's sequences re-padded into buckets of like lengths (kimi_kernels/varlen.py), each run
         as a padded batch; the indexer loss is the mean over every bucket's real queries."""
         check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], "MLA")
-        index, real = repad_index(cu_seqlens)
         y = x.new_zeros(x.shape[1], self.o_proj.out_features)
-        loss_sum, queries = None, 0
-        for index_b, real_b in repad_buckets(index, real, cu_seqlens):
-            counted = real_b if token_mask is None else real_b & to_padded(token_mask, index_b)
-            y_b, _, loss_b = self.forward(to_padded(x, index_b), None, False, indexer_loss, counted)
-            y = to_packed(y_b, index_b, real_b, y)
-            if loss_b is not None:
-                n = int(counted.sum())
+        loss_sum, queries = None, None
+        for bucket in repad_buckets(*repad_index(cu_seqlens), cu_seqlens):
+            counted = bucket.real if token_mask is None else bucket.real & to_padded(token_mask, bucket.index)
+            y_b, _, loss_b = self.forward(to_padded(x, bucket.index), None, False, indexer_loss, counted)
+            y = to_packed(y_b, bucket, y)
+            if loss_b is not None:  # counts stay on the device: a host read would drain the GPU's queue
+                n = counted.sum()
                 loss_sum = loss_b * n if loss_sum is None else loss_sum + loss_b * n
-                queries += n
-        loss = None if loss_sum is None else loss_sum / max(queries, 1)
+                queries = n if queries is None else queries + n
+        loss = None if loss_sum is None else loss_sum / queries.clamp(min=1)
         return y.unsqueeze(0), None, loss
 
     @torch.no_grad()

@@ -8,8 +8,8 @@ import torch
 
 from kimi_kernels.kda import kda, kda_chunk, kda_recurrent
 from kimi_kernels.ops import short_conv
-from kimi_kernels.varlen import (PAD_ALLOWANCE, PAD_SLACK, check_cu_seqlens, length_buckets, positions_in_segment,
-                                 repad_buckets, repad_index, segment_ids, to_packed, to_padded)
+from kimi_kernels.varlen import (PAD_ALLOWANCE, PAD_SLACK, RepadBucket, check_cu_seqlens, length_buckets,
+                                 positions_in_segment, repad_buckets, repad_index, segment_ids, to_packed, to_padded)
 from test_kernels_kda import make_inputs
 
 LENGTHS = [[70], [5, 64, 1, 30], [64, 64], [1, 1, 1], [10, 0, 50, 3], [130, 7, 65]]
@@ -76,6 +76,17 @@ def test_boundaries_are_read_once_per_tensor_and_again_after_an_in_place_change(
         check_cu_seqlens(bounds, 1, 10, "after the write")
 
 
+def test_the_repadding_plan_reuses_the_boundaries_the_check_read():
+    """A forward's re-padding (MLA's, a transformers policy's attention) is worked out on the host from
+    the values check_cu_seqlens read: no second read of the device tensor."""
+    bounds = cu([3, 5])
+    check_cu_seqlens(bounds, 1, 8, "model")
+    bounds.data[1] = 4  # behind the version counter: a fresh read would see lengths [4, 4]
+    (bucket,) = repad_buckets(*repad_index(bounds), bounds)
+    assert bucket.real.tolist() == [[True] * 5, [True] * 3 + [False] * 2]
+    assert bucket.dest.tolist() == [3, 4, 5, 6, 7, 0, 1, 2] and bucket.src.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
 @pytest.mark.parametrize("lengths", [[5, 1, 9, 3], [2, 2, 2], [12]], ids=str)
 def test_short_conv_never_reaches_across_a_boundary(lengths):
     gen = torch.Generator().manual_seed(0)
@@ -92,7 +103,8 @@ def test_repadding_round_trips():
     index, real = repad_index(cu(lengths))
     padded = to_padded(x, index)
     assert padded.shape == (4, 5, 1) and real.sum() == 9
-    assert torch.equal(to_packed(padded, index, real, torch.zeros(9, 1))[None], x)
+    bucket = RepadBucket(index, real, index[real], real.reshape(-1).nonzero().squeeze(1))
+    assert torch.equal(to_packed(padded, bucket, torch.zeros(9, 1))[None], x)
     assert segment_ids(cu(lengths), 9).tolist() == [0, 0, 0, 2, 2, 2, 2, 2, 3]
     assert positions_in_segment(cu(lengths), 9).tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0]
 
@@ -121,8 +133,9 @@ def test_repadding_by_buckets_round_trips():
     index, real = repad_index(cu(lengths))
     out = torch.zeros(104, 1)
     slots = 0
-    for index_b, real_b in repad_buckets(index, real, cu(lengths)):
-        out = to_packed(to_padded(x, index_b), index_b, real_b, out)
-        slots += index_b.numel()
+    for bucket in repad_buckets(index, real, cu(lengths)):
+        out = to_packed(to_padded(x, bucket.index), bucket, out)
+        slots += bucket.index.numel()
+        assert torch.equal(bucket.dest, bucket.index[bucket.real])
     assert torch.equal(out[None], x)
     assert slots == 2 * 50 + 3 * 3  # [50, 48] and [3, 2, 1]: 109 slots, not 6 x 50
