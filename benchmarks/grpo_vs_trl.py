@@ -193,7 +193,8 @@ def run_ours(out: Path, overrides: list[str]) -> dict[str, Any]:
     run_dir = max((p for p in out.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists()), key=lambda p: p.stat().st_mtime)
     metrics = [m for m in read_metrics(run_dir) if m["step"] >= 0]
     last = max(m["step"] for m in metrics)
-    keys = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "rollout/reward", "train/seq_tokens")
+    keys = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "rollout/reward", "train/seq_tokens",
+            "train/mismatch")
     return {"step_s": [m["time/step_s"] for m in metrics], "process_s": process_s,
             "parts": {k: [m.get(k) for m in metrics] for k in keys},
             "train_reward": [m["rollout/reward"] for m in metrics],
