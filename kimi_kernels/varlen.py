@@ -23,21 +23,18 @@ PAD_ALLOWANCE = 16
 def check_cu_seqlens(cu_seqlens: Tensor, batch: int, length: int, who: str) -> None:
     """cu_seqlens must describe a packed row [1, length]: start at 0, end at `length`, never decrease.
     A tensor is read once: every layer of a forward checks the same boundaries, and each host read of a
-    CUDA tensor drains the GPU's queue (the launches after it then run exposed). The pass is remembered
-    on the tensor with its version counter, so an in-place change is checked again."""
+    CUDA tensor drains the GPU's queue (the launches after it then run exposed). The values are kept on
+    the tensor with its version counter (host_boundaries), so an in-place change is read and checked again."""
     if batch != 1:
         raise ValueError(f"{who}: cu_seqlens packs sequences into one row: batch must be 1, got {batch}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{who}: cu_seqlens must be an integer tensor [N+1] with N >= 1, "
                          f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    if getattr(cu_seqlens, "_checked_row", None) == (length, cu_seqlens._version):
-        return
     # one host read: the boundaries are built on the host by the learner's collator, and a wrong one
     # would silently mix sequences; the values are kept for the re-padding plans (host_boundaries)
     bounds = host_boundaries(cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"{who}: cu_seqlens must rise from 0 to the row's length {length}, got {bounds}")
-    cu_seqlens._checked_row = (length, cu_seqlens._version)
 
 
 def host_boundaries(cu_seqlens: Tensor) -> list[int]:
@@ -116,7 +113,8 @@ def repad_buckets(index: Tensor, real: Tensor, cu_seqlens: Tensor) -> list[Repad
     start) cut into length_buckets, each moved to cu_seqlens' device. Everything is worked out on the
     host and copied in one go per bucket (pinned, without waiting, on CUDA), so a forward's layers
     reach the GPU with no read that would drain its queue."""
-    lengths = [b - a for a, b in zip(host_boundaries(cu_seqlens), host_boundaries(cu_seqlens)[1:])]
+    bounds = host_boundaries(cu_seqlens)
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     index, real = index.cpu(), real.cpu()
     out = []
     for rows in length_buckets(lengths):

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi_kernels.logprobs import linear_token_logprobs
-from kimi_kernels.varlen import (RepadBucket, check_cu_seqlens, positions_in_segment, repad_buckets, repad_index,
-                                 segment_starts, to_packed)
+from kimi_kernels.varlen import (RepadBucket, check_cu_seqlens, host_boundaries, positions_in_segment, repad_buckets,
+                                 repad_index, segment_starts, to_packed)
 
 from .model import CausalLMOutput
 
@@ -105,20 +105,20 @@ class HFPolicy(nn.Module):
         if cu_seqlens is not None:  # a sequence's first token is no prediction of the one before it
             rows = rows & ~segment_starts(cu_seqlens, T)[None, 1:]
         if tree is not None:
-            return tree.token_logprobs(h[0], head.weight, rows[0], logit_scale, self._head_grad_dtype(h))
+            return tree.token_logprobs(h[0], head.weight, rows[0], logit_scale, self._cpu_body_dtype(h.device))
         logp, ent = linear_token_logprobs(h[:, :-1][rows], head.weight, input_ids[:, 1:][rows], logit_scale,
-                                          grad_dtype=self._head_grad_dtype(h))
+                                          grad_dtype=self._cpu_body_dtype(h.device))
         full_logp = torch.zeros(B, T - 1, dtype=logp.dtype, device=h.device).masked_scatter(rows, logp)
         full_ent = torch.zeros(B, T - 1, dtype=ent.dtype, device=h.device).masked_scatter(rows, ent)
         return CausalLMOutput(None, token_logprobs=F.pad(full_logp, (1, 0)), token_entropy=F.pad(full_ent, (1, 0)))
 
-    def _head_grad_dtype(self, h: torch.Tensor) -> torch.dtype | None:
-        """The head's gradient GEMMs in the body's dtype (mixed precision's gradients); its forward in h's."""
-        return self.body_dtype if h.device.type == "cpu" else None
+    def _cpu_body_dtype(self, device: torch.device) -> torch.dtype | None:
+        """The body's autocast dtype, and the head's gradient GEMMs' (its forward keeps h's): on a CPU only."""
+        return self.body_dtype if device.type == "cpu" else None
 
     def _body_autocast(self, device: torch.device):
-        on = self.body_dtype is not None and device.type == "cpu"
-        return torch.autocast("cpu", dtype=self.body_dtype or torch.bfloat16, enabled=on)
+        dtype = self._cpu_body_dtype(device)
+        return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
     def _body(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
         """The decoder's last hidden states, and the shared-prefix tree they are laid out by (None: by input_ids)."""
@@ -254,7 +254,7 @@ def shared_prefix_tree(ids: torch.Tensor, cu_seqlens: torch.Tensor,
     sequences begin with, short of each one's last token (every sequence keeps a token of its own).
     Read on the host: the learner builds its rows there."""
     tokens = ids.detach().cpu().numpy()
-    cu = cu_seqlens.detach().cpu().numpy().astype(np.int64)
+    cu = np.asarray(host_boundaries(cu_seqlens), dtype=np.int64)  # the values the check read
     seqs = [tokens[a:b] for a, b in zip(cu[:-1], cu[1:])]
     runs: list[tuple[int, int, int]] = []  # (first sequence, end, shared length)
     i = 0
