@@ -105,7 +105,9 @@ class Learner:
                               f"sequences: its micro-batches are right-padded (train.micro_batches)")
         # the KL reference: a second copy, set to the policy RL starts from by set_reference()
         self.reference = build_policy(spec).requires_grad_(False).eval() if self.cfg.kl_coef > 0 else None
-        note = set_cpu_matmul_dtype(model, self.cfg.cpu_matmul_dtype, self.device)
+        # the KL reference runs as the policy does: a float32 reference beside a bf16 body would read
+        # bf16's rounding as divergence
+        note = set_cpu_matmul_dtype([model, self.reference], self.cfg.cpu_matmul_dtype, self.device)
         if note:
             self.notes.append(note)
         self.active_params = active_parameters(model)  # every expert counted, before any is sharded
@@ -433,15 +435,18 @@ class Learner:
             dist.destroy_process_group()
 
 
-def set_cpu_matmul_dtype(model: torch.nn.Module, dtype: str, device: torch.device) -> str | None:
-    """train.cpu_matmul_dtype onto a CPU learner's policy; a note for the console where the policy has no
-    such path (our hybrid model, whose CPU runs are the toy's) and trains in float32."""
+def set_cpu_matmul_dtype(models: Sequence[torch.nn.Module | None], dtype: str, device: torch.device) -> str | None:
+    """train.cpu_matmul_dtype onto a CPU learner's policy and its KL reference (None: no reference); a note
+    for the console where the policy has no such path (our hybrid model, whose CPU runs are the toy's)
+    and trains in float32."""
+    models = [m for m in models if m is not None]
     if dtype == "float32" or device.type != "cpu":
         return None
-    if not hasattr(model, "set_body_dtype"):
+    if not hasattr(models[0], "set_body_dtype"):
         return (f"learner: train.cpu_matmul_dtype={dtype} applies to Hugging Face policies; "
-                f"{type(model).__name__} trains in float32")
-    model.set_body_dtype(getattr(torch, dtype))
+                f"{type(models[0]).__name__} trains in float32")
+    for m in models:
+        m.set_body_dtype(getattr(torch, dtype))
     return None
 
 

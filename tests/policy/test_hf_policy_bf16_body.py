@@ -52,13 +52,14 @@ def test_the_bf16_body_keeps_float32_weights_gradients_and_head():
 
 
 def test_the_learner_sets_the_body_dtype_or_says_it_cannot():
-    policy = HFPolicy(tiny_hf_model("llama"))
-    assert set_cpu_matmul_dtype(policy, "float32", torch.device("cpu")) is None and policy.body_dtype is None
-    assert set_cpu_matmul_dtype(policy, "bfloat16", torch.device("cuda")) is None and policy.body_dtype is None
-    assert set_cpu_matmul_dtype(policy, "bfloat16", torch.device("cpu")) is None
-    assert policy.body_dtype == torch.bfloat16
+    policy, reference = HFPolicy(tiny_hf_model("llama")), HFPolicy(tiny_hf_model("llama"))
+    cpu = torch.device("cpu")
+    assert set_cpu_matmul_dtype([policy, None], "float32", cpu) is None and policy.body_dtype is None
+    assert set_cpu_matmul_dtype([policy], "bfloat16", torch.device("cuda")) is None and policy.body_dtype is None
+    assert set_cpu_matmul_dtype([policy, reference], "bfloat16", cpu) is None
+    assert policy.body_dtype == reference.body_dtype == torch.bfloat16  # the KL reference runs as the policy
     toy = build_policy(TOY)
-    note = set_cpu_matmul_dtype(toy, "bfloat16", torch.device("cpu"))
+    note = set_cpu_matmul_dtype([toy, None], "bfloat16", cpu)
     assert "cpu_matmul_dtype=bfloat16 applies to Hugging Face policies" in note and "trains in float32" in note
     assert TrainConfig().cpu_matmul_dtype == "float32"
     with pytest.raises(ValueError, match="cpu_matmul_dtype"):
