@@ -10,9 +10,9 @@ loss over the batch (TRL's "dapo"), no reward scaling, no dynamic sampling (TRL 
   are checked equal), graded by this repository's grader (the driver serves it over a local socket).
 - Ours: `rl train configs/vllm_cpu.yaml` with the same settings, synchronous (max_staleness 0) and
   asynchronous (max_staleness 1).
-- `--precision bfloat16`: both sides train in bf16 mixed precision (TRL: `bf16=True`, accelerate's CPU
-  autocast; ours: `train.cpu_matmul_dtype=bfloat16`); float32 weights and optimizer on both, rollouts as
-  each side serves them (vLLM in the config's dtype; transformers' generate under TRL's autocast).
+- `--precision bfloat16`: both sides train and sample in bf16 mixed precision (TRL: `bf16=True`,
+  accelerate's CPU autocast, generate included; ours: `train.cpu_matmul_dtype=bfloat16` and vLLM serving
+  in bfloat16); float32 weights and optimizer on both. float32: everything in float32.
 - Held-out reward: each trained model is evaluated the same way (`rl eval`: the config's held-out
   tasks x 4 samples at temperature 1, served by vLLM-CPU).
 
@@ -279,7 +279,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     common = [*SAME, f"train.steps={args.steps}", f"train.threads={args.threads}",
-              f"train.cpu_matmul_dtype={args.precision}"]
+              f"train.cpu_matmul_dtype={args.precision}", f"rollout.vllm.dtype={args.precision}"]
     results = json.loads(path.read_text()) if path.exists() else {"steps": args.steps, "runs": {},
                                                                   "precision": args.precision}
     if results["steps"] != args.steps or results.get("precision", "float32") != args.precision:

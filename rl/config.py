@@ -442,7 +442,7 @@ class RolloutConfig(Section):
     # configs/gpu_small.yaml's pipeline and cost ~35 s of compiling per run; KIMI_FUSED_OPS=0 turns
     # them off in every process
     fused_ops: bool = True
-    # weight pushes to the native engine go in buckets of this size
+    # weight pushes to every engine go in buckets of this size (through the object store)
     sync_bucket_mb: int = Field(default=256, ge=1, le=1 << 20)
     # native: our hybrid policy, continuous batching (rl.rollout.native_engine); vllm: vLLM's own model
     # classes on the policy's Hugging Face checkpoint; transformers: `generate`, the slow baseline

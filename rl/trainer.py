@@ -139,19 +139,16 @@ class Trainer:
                              f"fix it or set gate.allow_failing=true")
 
     def _push_weights(self, version: int) -> float:
-        """The learner's weights to every rollout worker, labelled `version` (GRPO steps trained):
-        for the native engine a bucketed sync through the object store (rl.weight_sync), written
-        straight into the engines' models; the vLLM and transformers engines take a state dict."""
+        """The learner's weights to every rollout worker, labelled `version` (GRPO steps trained): a
+        bucketed sync through the object store (rl.weight_sync), written straight into the native
+        engine's model; the vLLM and transformers engines take it as a state dict."""
         learner = self.actors.learner
-        if self.cfg.rollout.engine == "native":
-            if not self._sync_open:
-                learner.open_weight_sync(SyncSpec(transport="object_store",
-                                                  bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20))
-                self._sync_open = True
-            # full every time: a worker Ray restarted holds nothing a delta could build on
-            ref = learner.push_weights(version, True)
-        else:
-            ref = learner.get_weights()
+        if not self._sync_open:
+            bucket_bytes = self.cfg.rollout.sync_bucket_mb << 20
+            learner.open_weight_sync(SyncSpec(transport="object_store", bucket_bytes=bucket_bytes))
+            self._sync_open = True
+        # full every time: a worker Ray restarted holds nothing a delta could build on
+        ref = learner.push_weights(version, True)
         return ray.get(self.actors.scheduler.set_weights.remote([ref], version))
 
     # -- phases ----------------------------------------------------------------------------------

@@ -227,6 +227,33 @@ class WeightReceiver:
             mine[e.start:e.start + e.nbytes].copy_(bucket[e.offset:e.offset + e.nbytes])
 
 
+def receive_state(ticket: SyncTicket) -> dict[str, torch.Tensor]:
+    """A whole object-store sync as a state dict, for engines that take one (vLLM, transformers): a
+    tensor held in one bucket is a read-only view of the object store's copy (no copy is made on this
+    node), one cut over buckets is put together. A delta would leave tensors out: refused."""
+    manifest, buckets = ObjectStoreTransport().receive(ticket, torch.device("cpu"))
+    if manifest.base_version is not None:
+        raise WeightVersionError(f"weight sync refused: version {manifest.version} carries only what changed "
+                                 f"since version {manifest.base_version}; an engine that takes a state dict "
+                                 f"needs a full sync")
+    pieces: dict[str, list[TensorEntry]] = {}
+    for e in manifest.entries:
+        pieces.setdefault(e.name, []).append(e)
+    held = list(buckets)  # the state's views keep these (the object store's memory) alive
+    state = {}
+    for name, entries in pieces.items():
+        e = entries[0]
+        dtype = getattr(torch, e.dtype)
+        if len(entries) == 1:
+            raw = held[e.bucket][e.offset:e.offset + e.nbytes]
+        else:
+            raw = torch.empty(sum(p.nbytes for p in entries), dtype=torch.uint8)
+            for p in entries:
+                raw[p.start:p.start + p.nbytes] = held[p.bucket][p.offset:p.offset + p.nbytes]
+        state[name] = raw.view(dtype).view(e.shape)
+    return state
+
+
 def _by_bucket(manifest: SyncManifest) -> list[list[TensorEntry]]:
     out: list[list[TensorEntry]] = [[] for _ in manifest.bucket_sizes]
     for e in manifest.entries:

@@ -119,9 +119,16 @@ class TransformersEngine(RolloutEngine):
         return SequenceRecord(fed_tokens=max(len(seq.tokens) - 1, 0))
 
     async def update_weights(self, weights: WeightUpdate, version: int) -> None:
+        # a bucketed sync sends a tied weight once (under its first name): its other names may be absent
+        every_name = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        tied = every_name - dict(self.model.named_parameters()).keys()
+
         def load() -> None:
             with self._lock:  # between two turns: never under a running generate
-                self.model.load_state_dict(weights)
+                missing, unexpected = self.model.load_state_dict(weights, strict=False)
+                if set(missing) - tied or unexpected:
+                    raise ValueError(f"transformers engine: the update does not match the model: missing "
+                                     f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
                 self.version = version
 
         await asyncio.to_thread(load)

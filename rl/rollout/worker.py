@@ -33,7 +33,7 @@ from rl.rollout.env_worker import EpisodeEnd, EpisodeStart, StepReply
 from rl.rollout.layout import stop_token_ids
 from rl.shipping import ShippedDir, localize
 from rl.types import EPISODE_PHASES, Sample, WorkItem, env_worker_index
-from rl.weight_sync import SyncSpec, SyncTicket, WeightSink
+from rl.weight_sync import SyncSpec, SyncTicket, WeightSink, receive_state
 
 
 class NoWeightsError(RuntimeError):
@@ -130,12 +130,16 @@ class RolloutWorker:
             self._engine.shutdown()
 
     async def set_weights(self, state: dict[str, torch.Tensor] | SyncTicket, version: int) -> int:
-        """New weights: a whole state dict (any engine), or a bucketed sync's ticket from the
-        learner's object-store transport (the native engine; loaded straight into its model)."""
-        if isinstance(state, SyncTicket):
+        """New weights: a whole state dict, or a bucketed sync's ticket from the learner's object-store
+        transport: loaded straight into the native engine's model; the others take it as a state dict
+        of views into the object store (one copy on the way, where the learner's state dict took
+        pickling and three)."""
+        if isinstance(state, SyncTicket) and hasattr(self.engine, "load_weights_with"):
             if getattr(self, "weight_sink", None) is None:  # also after a restart: object store needs no group
                 await self.open_weight_sync(SyncSpec(transport="object_store"), 0)
             return await self.pull_weights(state)
+        if isinstance(state, SyncTicket):
+            state = await asyncio.to_thread(receive_state, state)
         await self.engine.update_weights(state, version)
         return version
 

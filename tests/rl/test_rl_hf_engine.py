@@ -67,3 +67,18 @@ def test_weight_update_changes_the_output():
     assert engine.version == 3 and after.versions == [3] * 6 and before.logprobs != after.logprobs
     with pytest.raises(KeyError):
         asyncio.run(engine.finish("zz"))
+
+
+def test_an_update_may_leave_out_a_tied_weights_second_name_but_nothing_else():
+    """A bucketed sync sends a tied weight once: the head tied to the embedding arrives as the
+    embedding only. Any other tensor missing is refused with the names."""
+    model = tiny_hf_model("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied
+    engine = TransformersEngine(model)
+    new = {k: v * 1.5 for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    asyncio.run(engine.update_weights(new, version=2))
+    assert engine.version == 2 and torch.equal(model.lm_head.weight, new["model.embed_tokens.weight"])
+    del new["model.norm.weight"]
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        asyncio.run(engine.update_weights(new, version=3))
+    assert engine.version == 2

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from rl.weight_sync import (SyncSpec, WeightReceiver, WeightSender, WeightVersionError, fingerprint,
-                            open_weight_sync, sync_weights)
+from rl.weight_sync import (ObjectStoreTransport, SyncSpec, WeightReceiver, WeightSender, WeightVersionError,
+                            fingerprint, open_weight_sync, receive_state, sync_weights)
 
 
 class Mixed(nn.Module):
@@ -87,6 +87,24 @@ def test_fingerprint_sees_a_swap_of_two_values():
     swapped = t.clone()
     swapped[[2, 7]] = swapped[[7, 2]]
     assert fingerprint(t) == fingerprint(t.clone()) != fingerprint(swapped)
+
+
+def test_receive_state_gives_a_whole_sync_as_a_state_dict_of_views_into_the_object_store(ray_session):
+    """What the vLLM and transformers engines take: every tensor synced, bit for bit; one held in one
+    bucket is a view of the object store's copy; a tensor cut over buckets is put together."""
+    src = Mixed(0)
+    sender, transport = WeightSender(bucket_bytes=256), ObjectStoreTransport()
+    full = sender.plan(src, version=3, full=True)
+    state = receive_state(transport.send(full, sender.pack(src, full)))
+    expected = {k: v for k, v in src.state_dict().items() if k != "head.weight"}  # the tie travels once
+    assert_same_state(expected, state)
+    bucket_of_proj = full.bucket_sizes[next(e.bucket for e in full.entries if e.name == "proj")]
+    assert state["proj"].untyped_storage().nbytes() == bucket_of_proj  # a view, not a copy
+    with torch.no_grad():
+        src.proj.mul_(2)
+    delta = sender.plan(src, version=4)
+    with pytest.raises(WeightVersionError, match="needs a full sync"):
+        receive_state(transport.send(delta, sender.pack(src, delta)))
 
 
 # ---- through the actors: a real Learner (rank 0) and real rollout workers ---------------------------
