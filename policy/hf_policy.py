@@ -78,9 +78,10 @@ class HFPolicy(nn.Module):
     def forward(self, input_ids: torch.Tensor, routing: torch.Tensor | None = None,
                 return_token_logprobs: bool = True, logit_scale: float = 1.0,
                 token_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                **unused: Any) -> CausalLMOutput:
+                target_mask: torch.Tensor | None = None, **unused: Any) -> CausalLMOutput:
         """token_logprobs[b, t] = log p(input_ids[b, t] | < t) of softmax(logit_scale * logits), 0 at
-        t = 0 (and where token_mask [B, T] is False: only those rows run through the head).
+        t = 0 and where token_mask or target_mask [B, T] (the tokens a learner trains on) is False: only
+        the other rows run through the head (a GRPO row's prompt needs none).
         cu_seqlens: input_ids [1, T] packs several sequences (kimi_kernels/varlen.py); positions
         restart at each, attention stays within each, each first token's logprob is 0."""
         if routing is not None:
@@ -100,8 +101,9 @@ class HFPolicy(nn.Module):
             raise ValueError("HFPolicy: an output projection with a bias is not supported")
         B, T = input_ids.shape
         rows = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device)
-        if token_mask is not None:
-            rows = token_mask[:, 1:].to(torch.bool)
+        for mask in (token_mask, target_mask):
+            if mask is not None:
+                rows = rows & mask[:, 1:].to(torch.bool)
         if cu_seqlens is not None:  # a sequence's first token is no prediction of the one before it
             rows = rows & ~segment_starts(cu_seqlens, T)[None, 1:]
         if tree is not None:
@@ -192,7 +194,11 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                                      dropout, kimi_repad, **kwargs)
     packed = query.new_zeros(query.shape[2], query.shape[1], value.shape[3])  # [T, H, Dv]
     for bucket in kimi_repad:
-        pad = lambda t: t[0][:, bucket.index].transpose(0, 1)  # noqa: E731 [H, T, D] -> [N, H, L, D]
+        n, length = bucket.index.shape
+        # [1, H, T, D] -> [N, H, L, D] by whole tokens (index_select: its backward is an index_add over
+        # rows of H * D values, where advanced indexing's accumulating index_put ran 3x slower on a CPU)
+        pad = lambda t: t[0].transpose(0, 1).index_select(0, bucket.index.reshape(-1)).view(  # noqa: E731
+            n, length, t.shape[1], t.shape[3]).transpose(1, 2)
         out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scaling,
                                              enable_gqa=groups > 1)  # [N, H, L, D]
         packed = to_packed(out.transpose(1, 2), bucket, packed)

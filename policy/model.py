@@ -176,7 +176,7 @@ class HybridForCausalLM(nn.Module):
                 routing: torch.Tensor | None = None, return_routing: bool = False,
                 return_indexer_loss: bool = False, logits_to_keep: int = 0, return_token_logprobs: bool = False,
                 logit_scale: float = 1.0, token_mask: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> CausalLMOutput:
+                cu_seqlens: torch.Tensor | None = None, target_mask: torch.Tensor | None = None) -> CausalLMOutput:
         """Logits [B, T, vocab] float32, times `logit_scale` (1 / sampling temperature); only the
         last `logits_to_keep` positions when > 0: a prefill with a 160K vocab needs just the last
         row. `return_token_logprobs`: instead of logits, the log-probability and entropy of each
@@ -189,6 +189,8 @@ class HybridForCausalLM(nn.Module):
         `cu_seqlens` [N+1]: input_ids [1, T] is a packed row of N sequences (kimi_kernels/varlen.py),
         a training forward: no sequence sees another (KDA state and short convs start from zero,
         attention within each), and each sequence's first token logprob is 0 like position 0's.
+        `target_mask` [B, T] bool: the tokens a learner trains on; their logprobs are kept, the others'
+        set to 0 (the head still runs on every row: a row count read from the data would stall a GPU).
         See docs/architecture.md."""
         cfg = self.config
         if return_token_logprobs and logits_to_keep:
@@ -253,6 +255,9 @@ class HybridForCausalLM(nn.Module):
             if cu_seqlens is not None:  # a sequence's first token has no prediction of its own
                 starts = segment_starts(cu_seqlens, T)[None]
                 token_logp, token_entropy = token_logp.masked_fill(starts, 0.0), token_entropy.masked_fill(starts, 0.0)
+            if target_mask is not None:
+                off = ~target_mask.to(torch.bool)
+                token_logp, token_entropy = token_logp.masked_fill(off, 0.0), token_entropy.masked_fill(off, 0.0)
         else:
             logits = self.lm_head(h, scale=logit_scale)
 

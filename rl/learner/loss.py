@@ -124,9 +124,10 @@ def grpo_token_losses(logp: torch.Tensor, mb: MicroBatch, cfg: TrainConfig
 
 def policy_forward(model: torch.nn.Module, mb: MicroBatch):
     """The learner's forward: token logprobs straight from the hidden states (no [tokens, vocab]
-    logits), the rollout's experts replayed, padding and other sequences kept out of every token."""
+    logits) of the trained tokens only, the rollout's experts replayed, padding and other sequences
+    kept out of every token."""
     return model(mb.input_ids, routing=mb.routing, return_token_logprobs=True, token_mask=mb.token_mask,
-                 cu_seqlens=mb.cu_seqlens)
+                 cu_seqlens=mb.cu_seqlens, target_mask=mb.loss_mask > 0)
 
 
 def accumulate_policy_gradient(

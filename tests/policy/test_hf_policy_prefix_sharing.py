@@ -96,3 +96,34 @@ def test_the_grpo_gradient_of_groups_does_not_change_with_prefix_sharing():
     assert scale > 0
     for a, b in zip(plain, shared):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_only_the_targets_run_through_the_head_and_their_logprobs_are_unchanged(monkeypatch):
+    """target_mask (the learner passes its loss mask): a prompt's tokens need no logprob, so only the
+    targets' rows reach the head; their logprobs and entropies are those of a forward without it, the
+    others are 0. Our hybrid model takes the same mask (its head runs on every row) with the same result."""
+    import policy.hf_policy as hf_policy
+    from policy import build_model
+
+    ids, cu, lengths = _row(torch.Generator().manual_seed(3))
+    target = torch.zeros_like(ids, dtype=torch.bool)
+    for a, n in zip(cu[:-1].tolist(), lengths):
+        target[0, a + n // 2:a + n] = True  # each sequence's second half: its "completion"
+    headed = []
+    real_head = hf_policy.linear_token_logprobs
+    monkeypatch.setattr(hf_policy, "linear_token_logprobs",
+                        lambda h, *a, **k: headed.append(h.shape[0]) or real_head(h, *a, **k))
+    policy = HFPolicy(tiny_hf_model("llama"))
+    every = policy(ids, cu_seqlens=cu)
+    some = policy(ids, cu_seqlens=cu, target_mask=target)
+    assert headed[1] < headed[0] and headed[1] <= int(target.sum())
+    for name in ("token_logprobs", "token_entropy"):
+        full, part = getattr(every, name), getattr(some, name)
+        torch.testing.assert_close(part[target], full[target])
+        assert not part[~target].any()
+    hybrid = build_model("toy", vocab_size=VOCAB).eval()
+    with torch.no_grad():
+        full = hybrid(ids, cu_seqlens=cu, return_token_logprobs=True).token_logprobs
+        part = hybrid(ids, cu_seqlens=cu, return_token_logprobs=True, target_mask=target).token_logprobs
+    torch.testing.assert_close(part[target], full[target])
+    assert not part[~target].any()
