@@ -134,12 +134,13 @@ class RolloutWorker:
         transport: loaded straight into the native engine's model; the others take it as a state dict
         of views into the object store (one copy on the way, where the learner's state dict took
         pickling and three)."""
-        if isinstance(state, SyncTicket) and hasattr(self.engine, "load_weights_with"):
-            if getattr(self, "weight_sink", None) is None:  # also after a restart: object store needs no group
-                await self.open_weight_sync(SyncSpec(transport="object_store"), 0)
-            return await self.pull_weights(state)
         if isinstance(state, SyncTicket):
-            state = await asyncio.to_thread(receive_state, state)
+            if not hasattr(self.engine, "load_weights_with"):
+                state = await asyncio.to_thread(receive_state, state)
+            else:
+                if getattr(self, "weight_sink", None) is None:  # also after a restart: object store needs no group
+                    await self.open_weight_sync(SyncSpec(transport="object_store"), 0)
+                return await self.pull_weights(state)
         await self.engine.update_weights(state, version)
         return version
 
