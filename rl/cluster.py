@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -169,13 +170,15 @@ def start_env_side(cfg: RunConfig, run_id: str) -> list:
     env_specs = {e.name: resolve(e.name, env_kwargs(cfg, e.name)) for e in cfg.envs}
     grading = {"num_actors": cfg.grader.num_workers, "timeout_s": cfg.grader.timeout_s, "retries": cfg.grader.retries}
     # threaded: many rollout workers' episodes at once, one slow tool call never stalls the others
-    return [
-        ray.remote(EnvWorker).options(num_cpus=ENV_WORKER_CPUS, name=env_worker_name(run_id, i), max_restarts=2,
-                                      max_concurrency=64, resources=dict(cfg.resources.env_resources))
-        .remote(env_specs, grading, run_id, cfg.sandbox_backend, cfg.rollout.warm_sandboxes_per_env_worker(),
-                cfg.rollout.max_sandboxes)
-        for i in range(cfg.rollout.env_workers)
-    ]
+    workers: list = []
+    with undone_if_interrupted(workers):
+        for i in range(cfg.rollout.env_workers):
+            workers.append(ray.remote(EnvWorker).options(
+                num_cpus=ENV_WORKER_CPUS, name=env_worker_name(run_id, i), max_restarts=2, max_concurrency=64,
+                resources=dict(cfg.resources.env_resources),
+            ).remote(env_specs, grading, run_id, cfg.sandbox_backend, cfg.rollout.warm_sandboxes_per_env_worker(),
+                     cfg.rollout.max_sandboxes))
+    return workers
 
 
 def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokenizer_dir: str, pad_id: int,
@@ -195,30 +198,52 @@ def start_policy_side(cfg: RunConfig, run_id: str, spec: dict[str, Any], tokeniz
     tokenizer = ship_dir(tokenizer_dir, shared)
     spec = ship_spec(spec, shared)
     res = cfg.resources
-    rollout_workers = [
-        ray.remote(RolloutWorker).options(**placement.options(placement.plan.rollout[i], res.rollout_resources),
-                                          name=f"rollout-{run_id}-{i}",
-                                          max_restarts=cfg.rollout.max_retries + 1, max_task_retries=0)
-        .remote(spec, tokenizer, env_names, cfg.rollout, cfg.seed + 1000 * (i + 1), cfg.effort)
-        for i in range(cfg.rollout.num_workers)
-    ]
-    learner = None
-    if with_learner:
-        learner = LearnerGroup(spec, cfg.train, cfg.rollout.max_context, cfg.rollout.temperature, pad_id, cfg.seed,
-                               [placement.options(slot, res.learner_resources) for slot in placement.plan.learner],
-                               name=f"learner-{run_id}", shared_filesystem=shared, shaping=cfg.effort.shaping)
-    names = [e.name for e in cfg.envs]
-    first = env_workers[0]
-    task_ids = {name: {split: ray.get(first.task_ids.remote(name, split)) for split in ("train", "heldout")}
-                for name in names}
-    plan = SamplingPlan(env_weights={e.name: e.weight for e in cfg.envs}, effort_weights=cfg.effort.weights,
-                        effort_budgets=cfg.effort.budgets, group_size=cfg.rollout.group_size,
-                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed,
-                        shaping=cfg.effort.shaping)
-    # the scheduler holds the stream's state and is not restarted: on the driver's node, which a run
-    # cannot lose and go on
-    here = NodeAffinitySchedulingStrategy(node_id=this_node(), soft=False)
-    scheduler = ray.remote(RolloutScheduler).options(num_cpus=0, name=f"scheduler-{run_id}",
-                                                     scheduling_strategy=here).remote(
-        rollout_workers, env_workers, task_ids, plan, cfg.rollout)
+    made: list = []
+    with undone_if_interrupted(made, placement):
+        rollout_workers = []
+        for i in range(cfg.rollout.num_workers):
+            rollout_workers.append(
+                ray.remote(RolloutWorker).options(**placement.options(placement.plan.rollout[i], res.rollout_resources),
+                                                  name=f"rollout-{run_id}-{i}",
+                                                  max_restarts=cfg.rollout.max_retries + 1, max_task_retries=0)
+                .remote(spec, tokenizer, env_names, cfg.rollout, cfg.seed + 1000 * (i + 1), cfg.effort))
+            made.append(rollout_workers[-1])
+        learner = None
+        if with_learner:  # its ranks are its own to kill if they fail to start
+            learner = LearnerGroup(spec, cfg.train, cfg.rollout.max_context, cfg.rollout.temperature, pad_id, cfg.seed,
+                                   [placement.options(slot, res.learner_resources) for slot in placement.plan.learner],
+                                   name=f"learner-{run_id}", shared_filesystem=shared, shaping=cfg.effort.shaping)
+            made.extend(learner.actors)
+        names = [e.name for e in cfg.envs]
+        first = env_workers[0]
+        task_ids = {name: {split: ray.get(first.task_ids.remote(name, split)) for split in ("train", "heldout")}
+                    for name in names}
+        plan = SamplingPlan(env_weights={e.name: e.weight for e in cfg.envs}, effort_weights=cfg.effort.weights,
+                            effort_budgets=cfg.effort.budgets, group_size=cfg.rollout.group_size,
+                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed,
+                            shaping=cfg.effort.shaping)
+        # the scheduler holds the stream's state and is not restarted: on the driver's node, which a run
+        # cannot lose and go on
+        here = NodeAffinitySchedulingStrategy(node_id=this_node(), soft=False)
+        scheduler = ray.remote(RolloutScheduler).options(num_cpus=0, name=f"scheduler-{run_id}",
+                                                         scheduling_strategy=here).remote(
+            rollout_workers, env_workers, task_ids, plan, cfg.rollout)
     return RunActors(env_workers, rollout_workers, scheduler, learner, placement, (tokenizer, spec))
+
+
+@contextmanager
+def undone_if_interrupted(actors: list, placement: Placement | None = None) -> Iterator[list]:
+    """The actors in `actors` (and the reservation) are given back if the block raises: a run stopped
+    half-way through its set-up (Ctrl-C while the learner starts) leaves nothing under the run's
+    names, which a run resumed in the same process (a notebook, the tests' Ray session) would find
+    taken. Ray half gone may refuse a kill: the block's exception is the one that matters."""
+    try:
+        yield actors
+    except BaseException:
+        for actor in actors:
+            with suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        if placement is not None:
+            with suppress(Exception):
+                placement.release()
+        raise

@@ -135,7 +135,11 @@ class Placement:
 
         check_cluster(plan)
         self.group = placement_group(list(plan.bundles), strategy="PACK")
-        ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
+        try:
+            ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
+        except BaseException:  # a Ctrl-C while it waits: the reservation is not left behind
+            remove_placement_group(self.group)
+            raise
         if not ready:
             remove_placement_group(self.group)
             self.group = None

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -321,6 +322,8 @@ def in_this_process(root: Path, args: list[str], fault) -> tuple[int, str]:
         helper.join(120)
     if errors:
         raise errors[0]
+    if result.exception is not None and not isinstance(result.exception, SystemExit):  # the CLI let it through
+        return result.exit_code, result.output + "".join(traceback.format_exception(result.exception))
     return result.exit_code, result.output
 
 
