@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,3 +248,16 @@ def undone_if_interrupted(actors: list, placement: Placement | None = None) -> I
             with suppress(Exception):
                 placement.release()
         raise
+
+
+def names_released(run_id: str, timeout_s: float = 15.0) -> list[str]:
+    """Wait until Ray holds no actor name of the run: it releases a killed actor's name only once the
+    actor is dead, after ray.kill has returned, and a run resumed at once in the same process (a
+    notebook, the tests' Ray session) would find `env-<run>-0` taken. Returns what is still held
+    at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = [name for name in ray.util.list_named_actors() if run_id in name]
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)

@@ -15,7 +15,8 @@ import ray
 
 from envs.registry import EnvRegistryError, check_kwargs, check_names
 from rl.checkpoint_store import CheckpointMirror
-from rl.cluster import RunActors, env_kwargs, model_spec, start_env_side, start_policy_side, start_ray
+from rl.cluster import (RunActors, env_kwargs, model_spec, names_released, start_env_side, start_policy_side,
+                        start_ray)
 from rl.config import ConfigError, RunConfig, dump_config, load_config
 from rl.errors import RunRefused, RunStopped
 from rl.faults import StopOnSignal, actor_death, first_line, innermost, no_space, stop_line
@@ -378,6 +379,8 @@ class Trainer:
                 attempt(lambda worker=worker: ray.kill(worker, no_restart=True))
         if self._started_ray:
             attempt(ray.shutdown)
+        else:  # a cluster that outlives the run: its names are free for the next run when this one returns
+            attempt(lambda: names_released(self.run_id))
 
     def _print_tables(self, before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
         if after is not None and self.console is not None:

@@ -396,6 +396,10 @@ def stop_and_resume(disk: Path, staleness: int, stops: list[str], driver=in_this
             stop, wait_until(lambda: the_run_dir(disk), "the run folder", alive=alive), at, rng, pid, alive))
         run_dir = the_run_dir(disk)
         assert rc == expected[stop][0], f"{stop}: exit {rc} (FAULT_SEED={SEED})\n{output}"
+        if driver is in_this_process:  # the session's cluster outlives the run: it gave back every name
+            import ray
+
+            assert not [n for n in ray.util.list_named_actors() if run_dir.name in n], f"FAULT_SEED={SEED}"
         if stop == "disk":
             (disk / "filler").unlink()
             assert not [p for p in (run_dir / "checkpoints").glob("step_*") if not (p / "manifest.json").exists()], \
