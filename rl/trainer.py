@@ -379,7 +379,7 @@ class Trainer:
                 attempt(lambda worker=worker: ray.kill(worker, no_restart=True))
         if self._started_ray:
             attempt(ray.shutdown)
-        else:  # a cluster that outlives the run: its names are free for the next run when this one returns
+        elif ray.is_initialized():  # a cluster that outlives the run: its names free for the next when this returns
             attempt(lambda: names_released(self.run_id))
 
     def _print_tables(self, before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
