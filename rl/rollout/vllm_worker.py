@@ -169,6 +169,9 @@ class WeightSyncExtension:
     def worker_pid(self) -> int:
         return os.getpid()
 
+    def serving_threads(self) -> int:
+        return torch.get_num_threads()
+
 
 def _plain_layer(module: torch.nn.Module) -> bool:
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -34,15 +35,15 @@ PROMPT = [1, 17, 33, 49, 65, 81, 97, 113, 129, 145]
 class Served:
     """An engine and the event loop it lives in (vLLM's AsyncLLM is bound to one loop)."""
 
-    def __init__(self, kind: str, directory, dtype: str = "float32", init: float = 0.2) -> None:
+    def __init__(self, kind: str, directory, dtype: str = "float32", init: float = 0.2, threads: int | None = None) -> None:
         from rl.rollout.vllm_engine import VLLMEngine
 
-        self.kind, self.dir, self.dtype = kind, save_tiny(kind, directory, init), dtype
+        self.kind, self.dir, self.dtype, self.threads = kind, save_tiny(kind, directory, init), dtype, threads
         self.loop = asyncio.new_event_loop()
         self.engine = self.run(self._make(VLLMEngine))
 
     async def _make(self, cls):
-        return cls(self.dir, dtype=self.dtype, max_model_len=256, max_num_seqs=16, seed=0)
+        return cls(self.dir, dtype=self.dtype, max_model_len=256, max_num_seqs=16, seed=0, threads=self.threads)
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -359,6 +360,19 @@ def test_check_at_start_names_the_native_engine_for_what_vllm_cannot_serve(tmp_p
     check_servable(tmp_path / "llama")
     with pytest.raises(VLLMUnavailable, match="routed-expert capture"):
         check_servable(tmp_path / "llama", record_routing=True)
+
+
+def test_the_engine_computes_on_the_threads_asked_for_inside_a_ray_actors_environment(tmp_path, monkeypatch):
+    """A Ray actor's environment says one thread (rl.cluster: OMP_NUM_THREADS=MKL_NUM_THREADS=1); the
+    engine process must still serve on the threads it was given (it ran on one: 1.5x slower decode)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    served = Served("llama", tmp_path, threads=2)
+    try:
+        assert served.run(served.engine.serving_threads()) == 2
+    finally:
+        served.close()
+    assert os.environ["MKL_NUM_THREADS"] == "1" and os.environ["OMP_NUM_THREADS"] == "1"  # given back
 
 
 def test_shutdown_leaves_no_process(llama):
