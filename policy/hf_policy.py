@@ -262,17 +262,7 @@ def shared_prefix_tree(ids: torch.Tensor, cu_seqlens: torch.Tensor,
     tokens = ids.detach().cpu().numpy()
     cu = np.asarray(host_boundaries(cu_seqlens), dtype=np.int64)  # the values the check read
     seqs = [tokens[a:b] for a, b in zip(cu[:-1], cu[1:])]
-    runs: list[tuple[int, int, int]] = []  # (first sequence, end, shared length)
-    i = 0
-    while i < len(seqs):
-        shared, j = len(seqs[i]) - 1, i + 1
-        while j < len(seqs):
-            common = min(shared, _common_prefix(seqs[i], seqs[j]), len(seqs[j]) - 1)
-            if common < min_shared:
-                break
-            shared, j = common, j + 1
-        runs.append((i, j, shared if j > i + 1 else 0))
-        i = j
+    runs = _best_runs(seqs, min_shared)
     if all(p == 0 for _, _, p in runs):
         return None
     tree_ids, positions = [], []
@@ -301,6 +291,33 @@ def shared_prefix_tree(ids: torch.Tensor, cu_seqlens: torch.Tensor,
     as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(ids.device)  # noqa: E731
     return PrefixTree(as_long(np.concatenate(tree_ids)).long(), as_long(np.concatenate(positions)),
                       as_long(to_tree), torch.from_numpy(index), torch.from_numpy(owned))
+
+
+def _best_runs(seqs: list[np.ndarray], min_shared: int) -> list[tuple[int, int, int]]:
+    """The runs of neighbouring sequences (first, end, shared length) that save the most tokens, each
+    run's sequences held after one copy of their common prefix: (end - first - 1) * shared saved. Runs
+    are chosen together (dynamic programming over where they end): GRPO groups behind one system
+    prompt must each keep their whole prompt, not share only the system prompt as one long run."""
+    n = len(seqs)
+    neighbours = [_common_prefix(seqs[k], seqs[k + 1]) for k in range(n - 1)]
+    saved = [0] * (n + 1)  # saved[j]: the most the first j sequences can save
+    start = list(range(-1, n))  # start[j]: where the last run of the first j sequences begins
+    for j in range(1, n + 1):
+        saved[j], start[j] = saved[j - 1], j - 1
+        shared = len(seqs[j - 1]) - 1  # every sequence keeps a token of its own
+        for i in range(j - 2, -1, -1):
+            shared = min(shared, neighbours[i], len(seqs[i]) - 1)
+            if shared < min_shared:
+                break
+            if saved[i] + (j - 1 - i) * shared > saved[j]:
+                saved[j], start[j] = saved[i] + (j - 1 - i) * shared, i
+    runs, j = [], n
+    while j > 0:
+        i = start[j]
+        shared = min([len(s) - 1 for s in seqs[i:j]] + neighbours[i:j - 1]) if j - i > 1 else 0
+        runs.append((i, j, shared))
+        j = i
+    return runs[::-1]
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -46,6 +46,21 @@ def test_the_tree_holds_each_shared_prefix_once():
     assert shared_prefix_tree(ids[0], cu, min_shared=13) is None
 
 
+def test_groups_behind_one_system_prompt_each_hold_their_whole_prompt_once():
+    """GRPO groups whose prompts begin with the same system prompt: each group shares its whole prompt
+    (one run sharing only the system prompt saved 5 x 10 tokens here instead of 2 x 2 x 30)."""
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(3, VOCAB, (10,), generator=g)
+    prompts = [torch.cat([system, torch.randint(3, VOCAB, (20,), generator=g)]) for _ in range(2)]
+    seqs = [torch.cat([p, torch.randint(3, VOCAB, (n,), generator=g)]) for p in prompts for n in (3, 5, 4)]
+    lengths = [len(s) for s in seqs]
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()])
+    ids = torch.cat(seqs)
+    tree = shared_prefix_tree(ids, cu)
+    assert tree.ids.numel() == sum(lengths) - 2 * 2 * 30
+    torch.testing.assert_close(tree.ids[tree.to_tree], ids)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_shared_prefixes_give_the_unshared_logprobs_and_gradient(kind):
     ids, cu, lengths = _row(torch.Generator().manual_seed(1))
