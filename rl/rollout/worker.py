@@ -93,7 +93,7 @@ def build_engine(model_spec: dict[str, Any], cfg: RolloutConfig, seed: int) -> R
     return VLLMEngine(model_dir, dtype=v.dtype, max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs,
                       seed=seed, record_routing=cfg.record_routing, kv_cache_gib=v.kv_cache_gib,
                       memory_fraction=v.memory_fraction, initial_version=version,
-                      verify_every_update=v.verify_every_update)
+                      verify_every_update=v.verify_every_update, enforce_eager=v.enforce_eager)
 
 
 class RolloutWorker:

