@@ -380,7 +380,13 @@ class Trainer:
         if self._started_ray:
             attempt(ray.shutdown)
         elif ray.is_initialized():  # a cluster that outlives the run: its names free for the next when this returns
-            attempt(lambda: names_released(self.run_id))
+            attempt(self._wait_for_names)
+
+    def _wait_for_names(self) -> None:
+        held = names_released(self.run_id)
+        if held:
+            self.say(f"Ray still holds {len(held)} actor name(s) of this run ({', '.join(held[:3])}): a run "
+                     f"started at once on this cluster may find them taken")
 
     def _print_tables(self, before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
         if after is not None and self.console is not None:

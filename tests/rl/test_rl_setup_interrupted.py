@@ -50,3 +50,20 @@ def test_a_set_up_stopped_while_the_learner_starts_gives_back_its_actors(ray_ses
     finally:
         for worker in env_workers:
             ray.kill(worker, no_restart=True)
+
+
+def test_a_name_ray_still_holds_after_the_shut_down_waited_is_said(tmp_path, monkeypatch):
+    """A run on a cluster that outlives it waits for Ray to release its names; one still held after the
+    wait is said on the console, not left for the next run to trip over."""
+    import io
+
+    from rich.console import Console
+
+    import rl.trainer as trainer
+
+    out = io.StringIO()
+    run = trainer.Trainer(validate(TINY), tmp_path / "tiny-run", console=Console(file=out, width=200))
+    monkeypatch.setattr(trainer.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(trainer, "names_released", lambda run_id: [f"env-{run_id}-0"])
+    run._shut_down(None, stopped=False)
+    assert "Ray still holds 1 actor name(s) of this run (env-tiny-run-0)" in out.getvalue()
