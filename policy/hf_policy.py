@@ -301,20 +301,19 @@ def _best_runs(seqs: list[np.ndarray], min_shared: int) -> list[tuple[int, int, 
     n = len(seqs)
     neighbours = [_common_prefix(seqs[k], seqs[k + 1]) for k in range(n - 1)]
     saved = [0] * (n + 1)  # saved[j]: the most the first j sequences can save
-    start = list(range(-1, n))  # start[j]: where the last run of the first j sequences begins
+    last: list[tuple[int, int]] = [(0, 0)] * (n + 1)  # last[j]: (start, shared length) of that choice's last run
     for j in range(1, n + 1):
-        saved[j], start[j] = saved[j - 1], j - 1
+        saved[j], last[j] = saved[j - 1], (j - 1, 0)
         shared = len(seqs[j - 1]) - 1  # every sequence keeps a token of its own
         for i in range(j - 2, -1, -1):
             shared = min(shared, neighbours[i], len(seqs[i]) - 1)
             if shared < min_shared:
                 break
             if saved[i] + (j - 1 - i) * shared > saved[j]:
-                saved[j], start[j] = saved[i] + (j - 1 - i) * shared, i
+                saved[j], last[j] = saved[i] + (j - 1 - i) * shared, (i, shared)
     runs, j = [], n
     while j > 0:
-        i = start[j]
-        shared = min([len(s) - 1 for s in seqs[i:j]] + neighbours[i:j - 1]) if j - i > 1 else 0
+        i, shared = last[j]
         runs.append((i, j, shared))
         j = i
     return runs[::-1]
