@@ -24,6 +24,7 @@ from policy.dtypes import device_precision, params_to
 from rl.config import LevelShaping, TrainConfig
 from rl.learner.batches import MicroBatch, Row, collate, plan_packed, plan_padded, rows_from_samples
 from rl.learner.flops import active_parameters, flops_metrics, peak_flops, step_flops
+from rl.learner.heap import keep_freed_memory
 from rl.learner.loss import accumulate_policy_gradient, compute_advantages, global_sum, loss_normaliser, policy_forward
 from rl.run_folder import CHECKPOINT_HF
 from rl.shaping import shape_rewards
@@ -90,6 +91,7 @@ class Learner:
         self.notes: list[str] = []  # what the trainer says on the console once the learner is up
         if self.device.type == "cpu":
             self._without_unbuildable_comm_op()
+            keep_freed_memory()  # each step's activations reuse the last step's memory (rl/learner/heap.py)
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
         torch.manual_seed(self.seed)  # the same initial weights on every rank
         spec = localize(self.model_spec)  # a transformers model or our checkpoint, on this node

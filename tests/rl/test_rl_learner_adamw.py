@@ -4,6 +4,8 @@ AdamW) leave the weights that plain transformers logits, the global-norm clip an
 written out give."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -51,6 +53,33 @@ def written_out_steps(model: torch.nn.Module, batch: list[dict[str, list[int]]],
     return {n: p.detach().clone() for n, p in params.items()}
 
 
+# whether a freed 64 MiB block stays in the process's resident memory (run where the process is)
+FREED_BLOCK_PROBE = """
+import numpy as np
+def resident_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+block = np.ones(2**23)
+before = resident_mib()
+del block
+stays = resident_mib() > before - 32
+"""
+
+
+def test_a_freed_block_leaves_memory_unless_the_heap_keeps_it():
+    """glibc unmaps a large block when it is freed; after keep_freed_memory() it stays for reuse."""
+    import subprocess
+    import sys
+
+    repo = str(Path(__file__).parents[2])
+    for keep, expected in (("", "False"), ("from rl.learner.heap import keep_freed_memory\nassert keep_freed_memory()\n",
+                                            "True")):
+        script = keep + FREED_BLOCK_PROBE + "print(stays)\n"
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                             cwd=repo).stdout.split()
+        assert out[-1] == expected, (keep, out)
+
+
 def test_two_supervised_steps_move_the_weights_as_adamw_written_out(ray_session, tmp_path):
     import ray
     from safetensors.torch import load_file
@@ -64,6 +93,11 @@ def test_two_supervised_steps_move_the_weights_as_adamw_written_out(ray_session,
         for _ in range(2):
             group.sft_step(examples(), TRAIN["lr"])
         learned = ray.get(group.get_weights())
+        # the CPU learner keeps what a step frees for the next (rl/learner/heap.py): a freed 64 MiB
+        # block stays in its memory, where glibc's default would unmap it
+        stays = ray.get(group.actors[0].__ray_call__.remote(lambda _, src: exec(src, scope := {}) or scope["stays"],
+                                                            FREED_BLOCK_PROBE))
+        assert stays
     finally:
         group.shutdown()
     expected = written_out_steps(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32), examples(), 2)
