@@ -293,6 +293,23 @@ def test_expert_order_is_a_stable_argsort(pairs):
         assert torch.equal(expert_order_by_ranking(ids), torch.argsort(ids, stable=True))
 
 
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_rows_by_expert_and_its_gradient_equal_indexing(k):
+    """rows_by_expert (the routed experts' input rows, with a gradient that sums each token's k
+    rows by a permutation) gives what indexing z[order // k] and autograd's gradient of it give."""
+    from policy.layers.moe import expert_order, rows_by_expert
+
+    g = torch.Generator().manual_seed(k)
+    z = torch.randn(37, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    order = expert_order(torch.randint(0, 9, (37 * k,), generator=g))
+    upstream = torch.randn(37 * k, 12, generator=g, dtype=torch.float64)
+    got = rows_by_expert(z, order, k)
+    want = z[order // k]
+    assert torch.equal(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got, z, upstream)[0], torch.autograd.grad(want, z, upstream)[0],
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_expert_counts_equal_bincount():
     from policy.layers.moe import expert_counts
 
