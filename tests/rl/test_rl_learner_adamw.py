@@ -72,8 +72,8 @@ def test_a_freed_block_leaves_memory_unless_the_heap_keeps_it():
     import sys
 
     repo = str(Path(__file__).parents[2])
-    for keep, expected in (("", "False"), ("from rl.learner.heap import keep_freed_memory\nassert keep_freed_memory()\n",
-                                            "True")):
+    keep_it = "from rl.learner.heap import keep_freed_memory\nassert keep_freed_memory()\n"
+    for keep, expected in (("", "False"), (keep_it, "True")):
         script = keep + FREED_BLOCK_PROBE + "print(stays)\n"
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                              cwd=repo).stdout.split()
