@@ -110,10 +110,10 @@ class KDAMixer(nn.Module):
         window = None if cache is None else cache.conv
         lengths = None if token_mask is None else token_mask.sum(1)
         qkv, new_window = short_conv(qkv, weight, window=window, lengths=lengths, cu_seqlens=cu_seqlens)
-        qk = self.H * self.K
-        q = qkv[..., :qk].reshape(B, T, self.H, self.K)
-        k = qkv[..., qk:2 * qk].reshape(B, T, self.H, self.K)
-        v = qkv[..., 2 * qk:].reshape(B, T, self.HV, self.V)
+        # one split, not three slices: a slice's gradient is a zero-filled copy of all of qkv, and the
+        # three would then be summed (3 fills and 2 adds of [T, 2qk + vd] a layer in the backward)
+        q, k, v = qkv.split([self.H * self.K, self.H * self.K, self.HV * self.V], dim=-1)
+        q, k, v = q.reshape(B, T, self.H, self.K), k.reshape(B, T, self.H, self.K), v.reshape(B, T, self.HV, self.V)
         q, k = l2norm(q), l2norm(k)  # the kernel uses q, k as given
         f = self.f_b_proj(f_a).reshape(B, T, self.HV, self.K)  # explicit heads: no shape guessing
         g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)

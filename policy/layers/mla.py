@@ -144,8 +144,8 @@ class MLAMixer(nn.Module):
         return self.q_b_proj(lat).reshape(B, T, self.H, self.qk), lat
 
     def _new_latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.kv_a_proj_with_mqa(x)
-        return self.kv_a_layernorm(kv[..., :self.kv_lora]), kv[..., self.kv_lora:]
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        return self.kv_a_layernorm(latent), k_rope
 
     def empty_cache(self, batch: int, device: torch.device, dtype: torch.dtype) -> MLACache:
         ik = torch.zeros(batch, 0, self.indexer.head_dim, device=device, dtype=dtype) if self.sparse else None
@@ -180,8 +180,8 @@ class MLAMixer(nn.Module):
         k = v = None
         if not absorb:
             kv = self.kv_b_proj(full.latent).reshape(B, S, self.H, self.nope + self.vd)
-            k = torch.cat([kv[..., :self.nope], full.k_rope.unsqueeze(2).expand(B, S, self.H, self.rope)], -1)
-            v = kv[..., self.nope:]
+            k_nope, v = kv.split([self.nope, self.vd], dim=-1)  # one node in backward, not two zero-filled slices summed
+            k = torch.cat([k_nope, full.k_rope.unsqueeze(2).expand(B, S, self.H, self.rope)], -1)
 
         # key j is visible to new token t when it holds a real token and is not in t's future
         j = torch.arange(S, device=x.device)

@@ -152,13 +152,12 @@ class StackedExperts(nn.Module):
 def _per_expert_loop(zs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                      act: str, gate_cap: float, up_cap: float) -> torch.Tensor:
     """One GEMM chain per used expert over its rows (zs sorted by expert, counts[e] rows each)."""
-    parts, start = [], 0
-    for e, c in enumerate(counts.tolist()):
-        if c:
-            ze = zs[start:start + c]
+    parts = []
+    # one split, not a slice per expert: each slice's gradient would be a zero-filled [M, dim], all summed
+    for e, ze in enumerate(zs.split(counts.tolist())):
+        if len(ze):
             h = glu(ze @ w1[e].t(), ze @ w3[e].t(), act, gate_cap, up_cap)
             parts.append(h @ w2[e].t())
-        start += c
     return torch.cat(parts) if parts else zs.new_zeros(0, w2.shape[1])
 
 
