@@ -4,7 +4,8 @@
 # Here first:   mkdir -p .cache/ab && git archive -o .cache/ab/base.tar BASE_REV
 # Then:         run(command="bash benchmarks/gpu_setup/ab_learner_step.sh", carry=[".gpu_bundle", ".cache/ab"])
 # Logs and JSON under $OUT; $OUT/triton.tgz (fla's autotuning, ~230 s the first time) carried back in as
-# .cache/ab/triton.tgz skips that in the next call. ITERS (default 10) steps are timed per run.
+# .cache/ab/triton.tgz skips that in the next call. ITERS (default 10) steps are timed per run; the last
+# run also profiles a step after its timing (kernels and ops by GPU time, the host's enqueue time) unless PROFILE=0.
 set -u
 REPO=$(pwd)
 bash benchmarks/gpu_setup/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
@@ -14,15 +15,16 @@ mkdir -p /tmp/base "$REPO/.cache/triton_gpu" && tar -xf .cache/ab/base.tar -C /t
 [ -f .cache/ab/triton.tgz ] && tar -xzf .cache/ab/triton.tgz -C "$REPO/.cache/triton_gpu"
 nvidia-smi --query-gpu=name --format=csv,noheader
 ARGS="--preset kimi-linear-48b --set num_hidden_layers=4 num_experts=64 --seq 8192 --batch 1 --packed agentic
-      --configs fast --no-checks --no-profile --iters ${ITERS:-10}"
-run() {  # label, tree
+      --configs fast --no-checks --iters ${ITERS:-10}"
+run() {  # label, tree[, profile]
   local t0
   t0=$(date +%s)
-  (cd "$2/benchmarks" && PYTHONPATH=/tmp/site:$2 python3 train_step_gpu.py $ARGS --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1)
-  echo "$1 rc=$? $(( $(date +%s) - t0 )) s: $(grep -E 'ms|MFU' "$OUT/$1.log" | tail -3 | tr '\n' ' ')"
+  (cd "$2/benchmarks" && PYTHONPATH=/tmp/site:$2 python3 train_step_gpu.py $ARGS ${3---no-profile} \
+     --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1)
+  echo "$1 rc=$? $(( $(date +%s) - t0 )) s: $(grep -E "ms/step|host:|kernel time" "$OUT/$1.log" | tail -3 | tr '\n' ' ')"
 }
 run base1 /tmp/base
 tar -czf "$OUT/triton.tgz" -C "$REPO/.cache/triton_gpu" .
 run head1 "$REPO"
 run base2 /tmp/base
-run head2 "$REPO"
+run head2 "$REPO" "$([ "${PROFILE:-1}" = 0 ] && echo --no-profile)"
