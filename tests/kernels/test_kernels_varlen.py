@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimi_kernels.kda import kda, kda_chunk, kda_recurrent
 from kimi_kernels.ops import short_conv
 from kimi_kernels.varlen import (PAD_ALLOWANCE, PAD_SLACK, RepadBucket, check_cu_seqlens, length_buckets,
-                                 positions_in_segment, repad_buckets, repad_index, segment_ids, to_packed, to_padded)
+                                 positions_in_segment, repad_buckets, repad_index, segment_ids, segment_starts,
+                                 to_packed, to_padded)
 from test_kernels_kda import make_inputs
 
 LENGTHS = [[70], [5, 64, 1, 30], [64, 64], [1, 1, 1], [10, 0, 50, 3], [130, 7, 65]]
@@ -139,3 +141,28 @@ def test_repadding_by_buckets_round_trips():
         assert torch.equal(bucket.dest, bucket.index[bucket.real])
     assert torch.equal(out[None], x)
     assert slots == 2 * 50 + 3 * 3  # [50, 48] and [3, 2, 1]: 109 slots, not 6 x 50
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops a call runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+def test_segment_starts_marks_each_first_token_without_a_value_from_the_host(lengths):
+    """On a GPU, `starts[index] = True` is an index_put_ whose True is a host tensor copied from pageable
+    memory, which drains the launch queue: the learner step's one synchronizing call (H100 profile,
+    benchmarks/RESULTS.md). The marks must come from ops that take the value as an argument."""
+    bounds = cu(lengths)
+    with _Ops() as ops:
+        starts = segment_starts(bounds, int(bounds[-1]))
+    first = {a for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()) if b > a}
+    assert starts.tolist() == [t in first for t in range(int(bounds[-1]))]
+    assert not [name for name in ops.names if name.startswith(("index_put", "_index_put", "scalar_tensor", "_to_copy"))]
