@@ -59,19 +59,22 @@ def set_fusion(enabled: bool) -> bool:
 
 
 def fused_on_cuda(fn: F) -> F:
-    compiled: Callable[..., Any] | None = None
+    # one compiled copy per backend: a test that traces the module's ops with another backend leaves
+    # the copy for inductor (and any other test's) as it was
+    compiled_by_backend: dict[Any, Callable[..., Any]] = {}
 
     @functools.wraps(fn)
     def dispatch(*args: Any, **kwargs: Any) -> Any:
-        nonlocal compiled
         x = args[0]  # every fused op takes its main tensor first
         if not runs_fused(x) or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
+        backend = _BACKEND
+        compiled = compiled_by_backend.get(backend)
         if compiled is None:
             dynamo_config = torch._dynamo.config
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _VARIANTS_LIMIT)
             # not fullgraph: past the recompile limit Dynamo then runs fn eagerly instead of raising
-            compiled = torch.compile(fn, dynamic=True, backend=_BACKEND)
+            compiled = compiled_by_backend[backend] = torch.compile(fn, dynamic=True, backend=backend)
         try:
             return compiled(*map(aligned, args), **{name: aligned(v) for name, v in kwargs.items()})
         except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -80,7 +83,7 @@ def fused_on_cuda(fn: F) -> F:
             # hot path (a dynamo config patch around each call cost ~85 us)
             warnings.warn(f"{fn.__qualname__}: compiling it failed, running it unfused "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:200]})", stacklevel=2)
-            compiled = fn
+            compiled_by_backend[backend] = fn
             return fn(*args, **kwargs)
 
     return dispatch  # type: ignore[return-value]

@@ -136,3 +136,31 @@ def test_a_chain_the_compiler_fails_on_runs_eagerly(monkeypatch):
     finally:
         set_fusion(prev)
         torch._dynamo.reset()
+
+
+def test_a_fused_op_compiles_with_the_backend_set_when_it_is_called(monkeypatch):
+    """A test that traces the module's own fused ops with another backend (tests/policy/test_backward_graph.py)
+    must not leave them compiled with it for the rest of the process."""
+    import kimi_kernels.fusion as fusion
+
+    used: list[str] = []
+
+    def recording(name):
+        def backend(gm, example_inputs):
+            used.append(name)
+            return gm.forward
+        return backend
+
+    monkeypatch.setattr(fusion, "_DEVICE_TYPES", ("cuda", "cpu"))
+    norm = fused_on_cuda(rms_norm.__wrapped__)
+    torch._dynamo.reset()
+    prev = set_fusion(True)
+    try:
+        x, w = torch.randn(3, 8), torch.randn(8)
+        for name in ("first", "second"):
+            monkeypatch.setattr(fusion, "_BACKEND", recording(name))
+            norm(x, w, 1e-6)
+        assert used == ["first", "second"]
+    finally:
+        set_fusion(prev)
+        torch._dynamo.reset()
