@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kimi_kernels.fusion import fused_on_cuda
+from kimi_kernels.expert_rows import weighted_token_sums, weighted_token_sums_backward
 from kimi_kernels.grouped_experts import experts_small_m, experts_small_m_available, small_m_block
 
 from ..config import ModelConfig
@@ -76,52 +76,21 @@ class Router(nn.Module):
         return torch.sigmoid(x.float() @ self.weight.float().t())  # [N, E]
 
 
-@fused_on_cuda
-def weighted_token_sums(out: torch.Tensor, w: torch.Tensor, pair_rows: torch.Tensor) -> torch.Tensor:
-    """out [M, d]: the experts' output rows in expert order; w [N, k] routing weights; pair_rows
-    [N*k] (row_of_pair): the row of out holding token t's c-th choice at t*k + c. Returns
-    sum_c w[t, c] * out[pair_rows[t*k + c]], [N, d] in out's dtype, summed in float32 (float64 stays float64).
-    On CUDA one compiled kernel that gathers the rows as it sums them: putting the rows back in
-    token order first was a [65,536 x 2,304] copy each way, ~0.5 ms a layer (H100, the Kimi-Linear
-    shape at 8K tokens)."""
-    N, k = w.shape
-    rows = out[pair_rows].view(N, k, out.shape[-1])
-    acc = _accumulation(out)
-    return (rows.to(acc) * w.to(acc)[..., None]).sum(1).to(out.dtype)
-
-
-@fused_on_cuda
-def weighted_token_sums_backward(grad: torch.Tensor, out: torch.Tensor, w: torch.Tensor, order: torch.Tensor,
-                                 pair_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of weighted_token_sums given grad [N, d]: (for out [M, d], row j = pair order[j]
-    gets its weight times its token's gradient: a gather; for w [N, k], each pair's row dotted with
-    its token's gradient)."""
-    N, k = w.shape
-    acc = _accumulation(out)
-    g = grad.to(acc)
-    grad_w = (g[:, None, :] * out[pair_rows].view(N, k, out.shape[-1]).to(acc)).sum(-1)
-    grad_out = g[order // k] * w.reshape(-1)[order].to(acc)[:, None]
-    return grad_out.to(out.dtype), grad_w.to(w.dtype)
-
-
-def _accumulation(t: torch.Tensor) -> torch.dtype:
-    return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
-
-
 class _WeightedTokenSums(torch.autograd.Function):
-    """weighted_token_sums with its gradient as gathers: autograd's gradient of indexing out by
-    pair_rows would scatter with an accumulating index_put, not knowing it is a permutation."""
+    """Each token's k expert output rows gathered, weighted and summed (kimi_kernels/expert_rows.py),
+    its gradient gathers too: autograd's gradient of indexing out by pair_rows would scatter with an
+    accumulating index_put, not knowing it is a permutation."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, w: torch.Tensor, order: torch.Tensor, pair_rows: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(out, w, order, pair_rows)
+    def forward(ctx, out: torch.Tensor, w: torch.Tensor, pair_rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(out, w, pair_rows)
         return weighted_token_sums(out, w, pair_rows)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        out, w, order, pair_rows = ctx.saved_tensors
-        grad_out, grad_w = weighted_token_sums_backward(grad.contiguous(), out, w, order, pair_rows)
-        return grad_out, grad_w, None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        out, w, pair_rows = ctx.saved_tensors
+        grad_out, grad_w = weighted_token_sums_backward(grad, out, w, pair_rows)
+        return grad_out, grad_w, None
 
 
 class StackedExperts(nn.Module):
@@ -139,8 +108,7 @@ class StackedExperts(nn.Module):
         slice of the experts and the token rows travel to the ranks that hold theirs (moe_parallel.py)."""
         flat_e = idx.reshape(-1)
         order = expert_order(flat_e)
-        pair_rows = row_of_pair(order)
-        zs = rows_by_expert(z, order, pair_rows, idx.shape[1])
+        zs = rows_by_expert(z, order, idx.shape[1])
         if ep_group is None:
             out = self.grouped(zs, expert_counts(flat_e, self.w1.shape[0]), capacity=len(z))
         else:
@@ -148,7 +116,7 @@ class StackedExperts(nn.Module):
             out = expert_parallel(self.grouped, zs, expert_counts(flat_e, n_experts), ep_group)
         # each token's k output rows gathered, weighted and summed (no atomics, unlike adding each row
         # into its token's sum; the gradient is a gather too)
-        return _WeightedTokenSums.apply(out, w, order, pair_rows)
+        return _WeightedTokenSums.apply(out, w, row_of_pair(order))
 
     def grouped(self, zs: torch.Tensor, counts: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
         """zs: [M, dim] rows sorted by expert, counts[e] of them for expert e -> Expert_e(row),
@@ -240,32 +208,28 @@ RANKING_MAX_PAIRS = 2048  # token-expert pairs up to which expert_order ranks th
 
 class _RowsByExpert(torch.autograd.Function):
     """z[order // k]: each token's row once per chosen expert, listed expert by expert. Its gradient
-    sums each token's k rows, gathered through row_of_pair, in one kernel on CUDA; autograd's gradient
-    of the indexing scatters them with an accumulating index_put (on an H100 that and its sort were
-    ~2.8 ms of a ~116 ms learner step: three MoE layers, the Kimi-Linear shape at 8K tokens)."""
+    puts the rows back in (token, choice) order with a permutation (index_copy, no atomics) and sums
+    each token's k rows, where autograd's gradient of the indexing scatters them with an accumulating
+    index_put: on an H100 that and its sort were ~2.8 ms of a ~116 ms learner step (three MoE layers,
+    the Kimi-Linear shape at 8K tokens). The permutation and sum took 0.60 ms a layer there, a gather
+    that sums as it reads 0.68 (benchmarks/moe_rows_gpu.py, 2026-12-07)."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, order: torch.Tensor, pair_rows: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(pair_rows)
+    def forward(ctx, z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
         ctx.k = k
         return z.index_select(0, order // k)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (pair_rows,) = ctx.saved_tensors
-        return token_row_sums(grad.contiguous(), pair_rows, ctx.k), None, None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (order,) = ctx.saved_tensors
+        by_choice = torch.empty_like(grad).index_copy_(0, order, grad)
+        return by_choice.view(-1, ctx.k, grad.shape[-1]).sum(1), None, None
 
 
-@fused_on_cuda
-def token_row_sums(rows: torch.Tensor, pair_rows: torch.Tensor, k: int) -> torch.Tensor:
-    """rows [N*k, d] in expert order -> [N, d]: each token's k rows (pair_rows: row_of_pair) summed."""
-    return rows[pair_rows].view(-1, k, rows.shape[-1]).sum(1)
-
-
-def rows_by_expert(z: torch.Tensor, order: torch.Tensor, pair_rows: torch.Tensor, k: int) -> torch.Tensor:
-    """z [N, d], order: expert_order of the N*k token-expert pairs, pair_rows: row_of_pair(order)
-    -> [N*k, d], pair order[i]'s token row."""
-    return _RowsByExpert.apply(z, order, pair_rows, k)
+def rows_by_expert(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """z [N, d], order: expert_order of the N*k token-expert pairs -> [N*k, d], pair order[i]'s token row."""
+    return _RowsByExpert.apply(z, order, k)
 
 
 def row_of_pair(order: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""The routed experts' rows between the grouped GEMMs and the tokens: Triton kernels that gather.
+
+The experts see the N*k token-expert pairs sorted by expert; `pair_rows[t*k + c]` is where token t's
+c-th pair lies in that order (the inverse of the sort). With out [M = N*k, d] the experts' output rows
+and w [N, k] the routing weights:
+
+    y[t]       = sum_c w[t, c] out[pair_rows[t*k + c]]                 (weighted_token_sums)
+    d out[r]   = w[t, c] dy[t]          for r = pair_rows[t*k + c]     (its backward: one pass over
+    d w[t, c]  = dy[t] . out[pair_rows[t*k + c]]                        dy and the rows)
+
+Each program takes one token and walks its k rows as [k, BLOCK_D] tiles (k padded to a power of two),
+so an index is read once per row, not once per element. On an H100 at the Kimi-Linear shape (8,192
+tokens, k = 8, d 2,304; benchmarks/moe_rows_gpu.py, 2026-12-07) the forward takes 0.68 ms and the
+backward 0.24 (one pass over its bytes: 0.19), where putting the rows back in token order by a
+permutation first took 1.04 + 0.69, and inductor's kernels for the same gathers with dynamic sizes
+(a 64-bit index division per element) 1.48 + 0.74 + 0.42 inside the learner's step.
+Accumulation in float32. They need Triton and CUDA tensors, or Triton's interpreter
+(TRITON_INTERPRET=1) on CPU tensors; the torch functions below are the CPU path and the oracle.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: `available` says no and the torch path runs
+    triton = None
+
+__all__ = ["weighted_token_sums", "weighted_token_sums_backward"]
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
+_BLOCK_D = 256  # columns of a tile; k rows of them (bf16, k = 8: 4 KiB)
+
+
+def available(x: torch.Tensor) -> bool:
+    """Triton importable and x where its kernels run (a CUDA tensor, or any under the interpreter)."""
+    return triton is not None and (x.is_cuda or _INTERPRETED)
+
+
+def _accumulation(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
+
+
+def weighted_token_sums_reference(out: torch.Tensor, w: torch.Tensor, pair_rows: torch.Tensor) -> torch.Tensor:
+    N, k = w.shape
+    acc = _accumulation(out)
+    rows = out[pair_rows].view(N, k, out.shape[-1])
+    return (rows.to(acc) * w.to(acc)[..., None]).sum(1).to(out.dtype)
+
+
+def weighted_token_sums_backward_reference(grad: torch.Tensor, out: torch.Tensor, w: torch.Tensor,
+                                           pair_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    N, k = w.shape
+    acc = _accumulation(out)
+    g = grad.to(acc)
+    grad_w = (g[:, None, :] * out[pair_rows].view(N, k, out.shape[-1]).to(acc)).sum(-1)
+    grad_out = torch.empty_like(out).index_copy_(0, pair_rows, (g[:, None, :] * w.to(acc)[..., None])
+                                                 .reshape(N * k, -1).to(out.dtype))
+    return grad_out, grad_w.to(w.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _weighted_sums_kernel(out_ptr, w_ptr, pair_ptr, y_ptr, D, K: tl.constexpr, KP: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, KP)
+        has = c < K
+        rows = tl.load(pair_ptr + t * K + c, mask=has, other=0)
+        wt = tl.load(w_ptr + t * K + c, mask=has, other=0.0).to(tl.float32)
+        for d0 in range(0, D, BLOCK_D):  # a token's rows walked along, not a column block of many tokens
+            cols = d0 + tl.arange(0, BLOCK_D)
+            ok = has[:, None] & (cols < D)[None, :]
+            o = tl.load(out_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + t * D + cols, tl.sum(o * wt[:, None], 0).to(y_ptr.dtype.element_ty), mask=cols < D)
+
+    @triton.jit
+    def _weighted_sums_backward_kernel(grad_ptr, out_ptr, w_ptr, pair_ptr, grad_out_ptr, grad_w_ptr, D,
+                                       K: tl.constexpr, KP: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, KP)
+        has = c < K
+        rows = tl.load(pair_ptr + t * K + c, mask=has, other=0)
+        wt = tl.load(w_ptr + t * K + c, mask=has, other=0.0).to(tl.float32)
+        dots = tl.zeros([KP], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            ok = has[:, None] & (cols < D)[None, :]
+            g = tl.load(grad_ptr + t * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+            at = rows[:, None] * D + cols[None, :]
+            o = tl.load(out_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            dots += tl.sum(o * g[None, :], 1)
+            tl.store(grad_out_ptr + at, (wt[:, None] * g[None, :]).to(grad_out_ptr.dtype.element_ty), mask=ok)
+        tl.store(grad_w_ptr + t * K + c, dots.to(grad_w_ptr.dtype.element_ty), mask=has)
+
+
+def _runs_kernels(*tensors: torch.Tensor) -> bool:
+    # float64 (reference models) stays on torch, whose sums keep float64
+    return available(tensors[0]) and all(t.dtype != torch.float64 for t in tensors)
+
+
+@torch.library.custom_op("kimi::weighted_token_sums", mutates_args=())
+def weighted_token_sums(out: torch.Tensor, w: torch.Tensor, pair_rows: torch.Tensor) -> torch.Tensor:
+    """out [M, d] rows in expert order, w [N, k], pair_rows [N*k] -> y [N, d] in out's dtype."""
+    if not _runs_kernels(out, w):
+        return weighted_token_sums_reference(out, w, pair_rows)
+    N, k = w.shape
+    out, w, pair_rows = out.contiguous(), w.contiguous(), pair_rows.contiguous()
+    y = out.new_empty(N, out.shape[1])
+    if N:
+        _weighted_sums_kernel[(N,)](out, w, pair_rows, y, out.shape[1], K=k, KP=triton.next_power_of_2(k),
+                                    BLOCK_D=_BLOCK_D)
+    return y
+
+
+@weighted_token_sums.register_fake
+def _(out, w, pair_rows):
+    return out.new_empty(w.shape[0], out.shape[1])
+
+
+@torch.library.custom_op("kimi::weighted_token_sums_backward", mutates_args=())
+def weighted_token_sums_backward(grad: torch.Tensor, out: torch.Tensor, w: torch.Tensor,
+                                 pair_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of weighted_token_sums for out [M, d] (a pair's row: its weight times its
+    token's gradient) and w [N, k] (a pair's row dotted with its token's gradient), given grad [N, d]."""
+    if not _runs_kernels(out, w, grad):
+        return weighted_token_sums_backward_reference(grad, out, w, pair_rows)
+    N, k = w.shape
+    grad, out, w, pair_rows = grad.contiguous(), out.contiguous(), w.contiguous(), pair_rows.contiguous()
+    grad_out, grad_w = torch.empty_like(out), torch.empty_like(w)
+    if N:
+        _weighted_sums_backward_kernel[(N,)](grad, out, w, pair_rows, grad_out, grad_w, out.shape[1], K=k,
+                                             KP=triton.next_power_of_2(k), BLOCK_D=_BLOCK_D)
+    return grad_out, grad_w
+
+
+@weighted_token_sums_backward.register_fake
+def _(grad, out, w, pair_rows):
+    return torch.empty_like(out), torch.empty_like(w)
