@@ -5,8 +5,8 @@ weighted sum).
 
 The Kimi-Linear shape at one packed 8K row: 8,192 tokens, top-8 (65,536 expert rows), d 2,304, bf16,
 routes uniform at random. Per op: the forward's weighted sum over each token's rows and its backward
-(the rows' and the weights' gradients). The bound column is one pass over the bytes each must move at 3.35 TB/s
-(H100 SXM's HBM3).
+(the rows' and the weights' gradients). The bound column is one pass over the bytes each must move
+at 3.35 TB/s (H100 SXM's HBM3).
 
     python3 benchmarks/moe_rows_gpu.py --json $OUT/moe_rows.json
 
@@ -36,7 +36,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.rand(n, args.experts, generator=g, device="cuda").topk(k, dim=-1).indices.reshape(-1)
     order = torch.argsort(ids, stable=True)
-    pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device="cuda"))
+    pair_rows = expert_rows.row_of_pair(order)
     out = torch.randn(n * k, d, generator=g, device="cuda").bfloat16()
     w = torch.rand(n, k, generator=g, device="cuda")
     grad = torch.randn(n, d, generator=g, device="cuda").bfloat16()

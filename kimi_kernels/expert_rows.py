@@ -31,7 +31,7 @@ try:
 except ImportError:  # CPU-only installs: `available` says no and the torch path runs
     triton = None
 
-__all__ = ["weighted_token_sums", "weighted_token_sums_backward"]
+__all__ = ["row_of_pair", "weighted_token_sums", "weighted_token_sums_backward"]
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
 _BLOCK_D = 256  # columns of a tile; k rows of them (bf16, k = 8: 4 KiB)
@@ -40,6 +40,11 @@ _BLOCK_D = 256  # columns of a tile; k rows of them (bf16, k = 8: 4 KiB)
 def available(x: torch.Tensor) -> bool:
     """Triton importable and x where its kernels run (a CUDA tensor, or any under the interpreter)."""
     return triton is not None and (x.is_cuda or _INTERPRETED)
+
+
+def row_of_pair(order: torch.Tensor) -> torch.Tensor:
+    """pair_rows: the inverse of the permutation `order` (pairs sorted by expert), where pair p lies."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
 
 
 def _accumulation(t: torch.Tensor) -> torch.dtype:

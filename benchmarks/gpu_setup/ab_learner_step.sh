@@ -25,11 +25,11 @@ run() {  # label, tree[, profile]
   echo "$1 rc=$? $(( $(date +%s) - t0 )) s: $(grep -E "ms/step|host:|kernel time" "$OUT/$1.log" | tail -3 | tr '\n' ' ')"
 }
 ROUNDS=${ROUNDS:-2}
-head() { if [ "$1" = "$ROUNDS" ] && [ "${PROFILE:-1}" != 0 ]; then run "head$1" "$REPO" ""; else run "head$1" "$REPO"; fi; }
+run_this_tree() { if [ "$1" = "$ROUNDS" ] && [ "${PROFILE:-1}" != 0 ]; then run "head$1" "$REPO" ""; else run "head$1" "$REPO"; fi; }
 for r in $(seq 1 "$ROUNDS"); do
   # FIRST=head: this tree first (when the call may run out before the base's turn)
-  [ "${FIRST:-base}" = head ] && head "$r"
+  [ "${FIRST:-base}" = head ] && run_this_tree "$r"
   run "base$r" /tmp/base
   [ "$r" = 1 ] && tar -czf "$OUT/triton.tgz" -C "$REPO/.cache/triton_gpu" .
-  [ "${FIRST:-base}" = head ] || head "$r"
+  [ "${FIRST:-base}" = head ] || run_this_tree "$r"
 done

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kimi_kernels.expert_rows import weighted_token_sums, weighted_token_sums_backward
+from kimi_kernels.expert_rows import row_of_pair, weighted_token_sums, weighted_token_sums_backward
 from kimi_kernels.grouped_experts import experts_small_m, experts_small_m_available, small_m_block
 
 from ..config import ModelConfig
@@ -230,11 +230,6 @@ class _RowsByExpert(torch.autograd.Function):
 def rows_by_expert(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
     """z [N, d], order: expert_order of the N*k token-expert pairs -> [N*k, d], pair order[i]'s token row."""
     return _RowsByExpert.apply(z, order, k)
-
-
-def row_of_pair(order: torch.Tensor) -> torch.Tensor:
-    """The inverse of the permutation `order`: where, in expert order, token-expert pair p lies."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
 
 
 def expert_order(expert_ids: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ def _pairs(n: int, k: int, d: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(11, generator=g)[:k] for _ in range(n)]).reshape(-1)
     order = torch.argsort(ids, stable=True)
-    pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(n * k))
+    pair_rows = expert_rows.row_of_pair(order)
     out = torch.randn(n * k, d, generator=g)
     w = torch.rand(n, k, generator=g)
     grad = torch.randn(n, d, generator=g)

@@ -311,7 +311,8 @@ def test_rows_by_expert_and_its_gradient_equal_indexing(k):
 
 
 def test_row_of_pair_inverts_the_expert_order():
-    from policy.layers.moe import expert_order, row_of_pair
+    from kimi_kernels.expert_rows import row_of_pair
+    from policy.layers.moe import expert_order
 
     order = expert_order(torch.randint(0, 5, (60,), generator=torch.Generator().manual_seed(1)))
     rows = row_of_pair(order)
