@@ -19,27 +19,15 @@ Accumulation in float32. They need Triton and CUDA tensors, or Triton's interpre
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .fusion import fusion_enabled
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: `available` says no and the torch path runs
-    triton = None
+from .triton_support import runs_triton, tl, triton
 
 __all__ = ["row_of_pair", "weighted_token_sums", "weighted_token_sums_backward"]
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
 _BLOCK_D = 256  # columns of a tile; k rows of them (bf16, k = 8: 4 KiB)
-
-
-def available(x: torch.Tensor) -> bool:
-    """Triton importable and x where its kernels run (a CUDA tensor, or any under the interpreter)."""
-    return triton is not None and (x.is_cuda or _INTERPRETED)
 
 
 def row_of_pair(order: torch.Tensor) -> torch.Tensor:
@@ -108,7 +96,7 @@ if triton is not None:
 def _runs_kernels(*tensors: torch.Tensor) -> bool:
     # float64 (reference models) stays on torch, whose sums keep float64; set_fusion(False) turns the
     # kernels off with the other fused paths (benchmarks' "unfused")
-    return fusion_enabled() and available(tensors[0]) and all(t.dtype != torch.float64 for t in tensors)
+    return fusion_enabled() and runs_triton(tensors[0]) and all(t.dtype != torch.float64 for t in tensors)
 
 
 @torch.library.custom_op("kimi::weighted_token_sums", mutates_args=())

@@ -18,20 +18,14 @@ it as one opaque call. It needs Triton and CUDA tensors (or Triton's interpreter
 on CPU tensors: how it is tested without a GPU)."""
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the op is then never chosen (`experts_small_m_available`)
-    triton = None
+from .triton_support import runs_triton, tl, triton
 
-__all__ = ["LaunchConfig", "experts_small_m", "experts_small_m_available", "project", "small_m_block"]
+__all__ = ["LaunchConfig", "experts_small_m", "project", "small_m_block"]
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
 
 # The row blocks a program can take at a time (16: tl.dot's least). A block is chosen to hold the
 # busiest expert's rows in one pass (each further pass reads that expert's weights again): under
@@ -41,11 +35,6 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton
 # (mean 32, busiest 48; 64-row blocks) where CUTLASS took 0.347, with 32-row blocks there 0.355
 ROW_BLOCKS = (16, 32, 64)
 _ACTS = {"silu": 0, "situ": 1}
-
-
-def experts_small_m_available(z: torch.Tensor) -> bool:
-    """Triton importable and z where its kernels run (a CUDA tensor, or any under the interpreter)."""
-    return triton is not None and (z.is_cuda or _INTERPRETED)
 
 
 def small_m_block(rows: int, experts: int) -> int | None:

@@ -17,19 +17,12 @@ run them without a GPU; `linear_token_logprobs` keeps torch's ops as the CPU pat
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: `available` says no and the torch path runs
-    triton = None
+from .triton_support import runs_triton, tl, triton
 
 __all__ = ["available", "logit_grad_", "row_statistics"]
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # columns a program reads at a time (bf16: 16 KiB), and warps over them
 _BLOCK_V = 8192
@@ -39,7 +32,7 @@ _WARPS = 16
 def available(z: torch.Tensor) -> bool:
     """Triton importable, z where its kernels run (CUDA, or any tensor under the interpreter) and of a
     dtype they take."""
-    return triton is not None and (z.is_cuda or _INTERPRETED) and z.dtype in _DTYPES
+    return runs_triton(z) and z.dtype in _DTYPES
 
 
 if triton is not None:

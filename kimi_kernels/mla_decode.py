@@ -23,19 +23,12 @@ decode step never gathers every row's keys into a [B, S, L] copy first: at long 
 (read, written, read again by the kernel) costs several times the attention itself."""
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference path is used (`mla_decode_supported`)
-    triton = None
+from .triton_support import runs_triton, tl, triton
 
 __all__ = ["mla_decode", "mla_decode_paged", "mla_decode_supported"]
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
 # query heads per program (Kimi-Linear's 32: each key read once per row), keys per step, warps and
 # pipeline stages per program; these and _TARGET_PROGRAMS measured best on the H200 over 256-128K keys
 # (benchmarks/mla_paged_decode.py, whose --launch tries others)
@@ -48,7 +41,7 @@ def mla_decode_supported(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tens
     """Triton importable, the tensors where its kernels run (CUDA, or any under the interpreter), one
     dtype, and latent and rope widths that are powers of two (the kernel's tiles span them whole)."""
     widths = (latent.shape[-1], rope.shape[-1])
-    return (triton is not None and (q.is_cuda or _INTERPRETED) and q.dtype == latent.dtype == rope.dtype
+    return (runs_triton(q) and q.dtype == latent.dtype == rope.dtype
             and all(w >= 16 and not w & (w - 1) for w in widths))
 
 

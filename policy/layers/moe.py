@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from kimi_kernels.expert_rows import row_of_pair, weighted_token_sums, weighted_token_sums_backward
-from kimi_kernels.grouped_experts import experts_small_m, experts_small_m_available, small_m_block
+from kimi_kernels.grouped_experts import experts_small_m, small_m_block
+from kimi_kernels.triton_support import runs_triton
 
 from ..config import ModelConfig
 from ._ops import glu
@@ -275,7 +276,7 @@ def _small_m_block(zs: torch.Tensor, w: torch.Tensor) -> int | None:
     turned off (KIMI_MOE_SMALL_M=0), without Triton, when a gradient is wanted (they have no
     backward), or where the busiest expert would get more rows than their largest block
     (prefill, batches past ~300 sequences at top-8 of 64: there CUTLASS's grouped GEMM is used)."""
-    if not _SMALL_M or not experts_small_m_available(zs):
+    if not _SMALL_M or not runs_triton(zs):
         return None
     if torch.is_grad_enabled() and (zs.requires_grad or w.requires_grad):
         return None

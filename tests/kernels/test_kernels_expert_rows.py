@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from kimi_kernels import expert_rows
+from kimi_kernels.triton_support import runs_triton
 from tests.kernels.triton_interpreter import DEVICE, ON_CUDA, needs_interpreter_site, run_under_interpreter
 
-usable = pytest.mark.skipif(not expert_rows.available(torch.empty(0, device=DEVICE)),
+usable = pytest.mark.skipif(not runs_triton(torch.empty(0, device=DEVICE)),
                             reason="needs Triton with CUDA, or TRITON_INTERPRET=1")
 
 
@@ -65,7 +66,7 @@ def test_the_references_are_the_gather_they_describe():
     torch.testing.assert_close(grad_w[2], rows @ grad[2])
 
 
-@pytest.mark.skipif(expert_rows.available(torch.empty(0, device=DEVICE)), reason="the kernel tests run in this process")
+@pytest.mark.skipif(runs_triton(torch.empty(0, device=DEVICE)), reason="the kernel tests run in this process")
 @needs_interpreter_site
 def test_the_kernel_tests_pass_under_triton_s_interpreter():
     run = run_under_interpreter(__file__, "equal_the_references")

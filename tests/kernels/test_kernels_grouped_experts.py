@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kimi_kernels.grouped_experts import ROW_BLOCKS, experts_small_m, experts_small_m_available, small_m_block
+from kimi_kernels.grouped_experts import ROW_BLOCKS, experts_small_m, small_m_block
 from kimi_kernels.ops import situ_glu
+from kimi_kernels.triton_support import runs_triton
 from tests.kernels.triton_interpreter import DEVICE, ON_CUDA, needs_interpreter_site, run_under_interpreter
 
-usable = pytest.mark.skipif(not experts_small_m_available(torch.empty(0, device=DEVICE)),
+usable = pytest.mark.skipif(not runs_triton(torch.empty(0, device=DEVICE)),
                             reason="needs Triton with CUDA, or TRITON_INTERPRET=1")
 
 
@@ -61,7 +62,7 @@ def test_small_m_block_holds_the_busiest_expert_under_random_routing():
     assert small_m_block(4096, 64) is None  # 512 sequences, or a prefill: CUTLASS's grouped GEMM
 
 
-@pytest.mark.skipif(not (ON_CUDA and experts_small_m_available(torch.empty(0, device=DEVICE))),
+@pytest.mark.skipif(not (ON_CUDA and runs_triton(torch.empty(0, device=DEVICE))),
                     reason="needs Triton and CUDA (sm90 for the grouped GEMM)")
 def test_moe_layer_decode_batch_uses_the_small_m_kernels(monkeypatch):
     """A decode-sized batch through the MoE layer without gradient: the small-M kernels, close to
@@ -91,7 +92,7 @@ def test_moe_layer_decode_batch_uses_the_small_m_kernels(monkeypatch):
     assert calls == [32]
 
 
-@pytest.mark.skipif(experts_small_m_available(torch.empty(0, device=DEVICE)),
+@pytest.mark.skipif(runs_triton(torch.empty(0, device=DEVICE)),
                     reason="the kernel tests run in this process")
 @needs_interpreter_site
 def test_the_kernel_tests_pass_under_triton_s_interpreter():
