@@ -161,11 +161,12 @@ def _per_expert_loop(zs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w
                      act: str, gate_cap: float, up_cap: float) -> torch.Tensor:
     """One GEMM chain per used expert over its rows (zs sorted by expert, counts[e] rows each)."""
     parts = []
-    # one split, not a slice per expert: each slice's gradient would be a zero-filled [M, dim], all summed
-    for e, ze in enumerate(zs.split(counts.tolist())):
+    # one split and one unbind per weight, not a slice or an index per expert: each of those would get a
+    # zero-filled gradient the size of the whole, all of them summed (E of them per weight)
+    for ze, g, u, dn in zip(zs.split(counts.tolist()), w1.unbind(0), w3.unbind(0), w2.unbind(0)):
         if len(ze):
-            h = glu(ze @ w1[e].t(), ze @ w3[e].t(), act, gate_cap, up_cap)
-            parts.append(h @ w2[e].t())
+            h = glu(ze @ g.t(), ze @ u.t(), act, gate_cap, up_cap)
+            parts.append(h @ dn.t())
     return torch.cat(parts) if parts else zs.new_zeros(0, w2.shape[1])
 
 
