@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from kimi_kernels.expert_rows import row_of_pair, weighted_token_sums, weighted_token_sums_backward
@@ -43,6 +44,8 @@ _QUANTILE_EMA = 0.5
 _GROUPED_MM = os.environ.get("KIMI_MOE_GROUPED_MM", "1") != "0"
 # KIMI_MOE_SMALL_M=0 keeps decode batches on the grouped GEMM too (benchmarks compare the two)
 _SMALL_M = os.environ.get("KIMI_MOE_SMALL_M", "1") != "0"
+# below this many rows the gate and up projections run one GEMM each (see GatedMLP.forward)
+_ONE_GEMM_MIN_ROWS = 256
 
 
 def set_small_m(enabled: bool) -> bool:
@@ -64,7 +67,11 @@ class GatedMLP(nn.Module):
         self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), *self.act))
+        if x.numel() < _ONE_GEMM_MIN_ROWS * x.shape[-1]:  # decoding: copying the weights would cost more
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:  # one GEMM on the stacked weights: one pass over x, and x's gradient one GEMM, not two and a sum
+            gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
+        return self.down_proj(glu(gate, up, *self.act))
 
 
 class Router(nn.Module):

@@ -56,6 +56,25 @@ def test_kda_projections_as_one_gemm_equal_one_gemm_each(kw, monkeypatch):
         torch.testing.assert_close(one, each, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_gated_mlp_gate_and_up_as_one_gemm_equal_one_gemm_each(act, monkeypatch):
+    """The dense and shared-expert MLPs: many rows take one GEMM over the stacked gate and up weights,
+    decoding one GEMM each; same outputs and gradients (x's, and each weight's)."""
+    from policy.layers import moe
+
+    torch.manual_seed(0)
+    mlp = moe.GatedMLP(32, 24, tiny(hidden_act=act))
+    x = torch.randn(2, 13, 32, requires_grad=True)
+    results = []
+    for threshold in (0, 10_000):
+        monkeypatch.setattr(moe, "_ONE_GEMM_MIN_ROWS", threshold)
+        y = mlp(x)
+        weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        results.append((y, *torch.autograd.grad(y.square().sum(), [x, *weights])))
+    for one, each in zip(*results):
+        torch.testing.assert_close(one, each, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind,kw", [
     ("mla", dict(q_lora_rank=None, mla_use_output_gate=False)),  # Kimi Linear form
     ("mla", dict(q_lora_rank=12, attention_sink=True)),  # gated, q low rank, sink
