@@ -1,11 +1,12 @@
-"""The MoE's weighted row gathers on one GPU: kimi_kernels/expert_rows.py's Triton kernels beside
-their torch references compiled by inductor with dynamic sizes (as kimi_kernels/fusion.py compiles)
-and the permutation copies before them (30ce54d: index_copy_ back to token order, then a compiled
-weighted sum).
+"""The MoE's row gathers on one GPU: kimi_kernels/expert_rows.py's Triton kernels beside their torch
+references compiled by inductor with dynamic sizes (as kimi_kernels/fusion.py compiles) and the
+permutation copies before them (30ce54d: index_copy_ back to token order, then a compiled weighted
+sum; the input rows' gradient so until e141c36).
 
 The Kimi-Linear shape at one packed 8K row: 8,192 tokens, top-8 (65,536 expert rows), d 2,304, bf16,
-routes uniform at random. Per op: the forward's weighted sum over each token's rows and its backward
-(the rows' and the weights' gradients). The bound column is one pass over the bytes each must move
+routes uniform at random. Per op: the forward's weighted sum over each token's rows, its backward
+(the rows' and the weights' gradients), and the gradient of the experts' input rows (each token's k
+rows summed). The bound column is one pass over the bytes each must move
 at 3.35 TB/s (H100 SXM's HBM3).
 
     python3 benchmarks/moe_rows_gpu.py --json $OUT/moe_rows.json
@@ -43,7 +44,8 @@ def main() -> None:
 
     compiled = {name: torch.compile(fn, dynamic=True) for name, fn in (
         ("fwd", expert_rows.weighted_token_sums_reference),
-        ("bwd", expert_rows.weighted_token_sums_backward_reference))}
+        ("bwd", expert_rows.weighted_token_sums_backward_reference),
+        ("sums", expert_rows.token_sums_reference))}
 
     def combine(outs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # 30ce54d's combine_experts
         return (outs.float() * weights.float()[..., None]).sum(1)
@@ -62,6 +64,9 @@ def main() -> None:
         g_rows, g_w = torch.autograd.grad(y, (by_token, wr), grad.float(), retain_graph=True)
         return g_rows.reshape(n * k, d)[order], g_w
 
+    def permuted_sums():  # 30ce54d-e141c36: the input rows' gradient back to token order by a permutation, then summed
+        return torch.empty_like(out).index_copy_(0, order, out).view(n, k, d).sum(1)
+
     row_bytes, tok_bytes = n * k * d * 2, n * d * 2
     cases = {
         "forward (weighted sums)": (row_bytes + tok_bytes, expert_rows.weighted_token_sums,
@@ -69,6 +74,9 @@ def main() -> None:
         "backward (rows' and weights' gradients)": (2 * row_bytes + tok_bytes, expert_rows.weighted_token_sums_backward,
                                                     lambda: compiled["bwd"](grad, out, w, pair_rows), permuted_bwd,
                                                     (grad, out, w, pair_rows)),
+        "experts' input rows' gradient (token sums)": (row_bytes + tok_bytes, expert_rows.token_sums,
+                                                       lambda: compiled["sums"](out, pair_rows, k), permuted_sums,
+                                                       (out, pair_rows, k)),
     }
     results = {"gpu": torch.cuda.get_device_name(), "tokens": n, "top_k": k, "dim": d, "ops": {}}
     log(f"{results['gpu']}: {n} tokens, top-{k}, d {d}, bf16")
@@ -85,7 +93,7 @@ def main() -> None:
     ops = results["ops"].values()
     total = {key: round(sum(op[key] for op in ops), 3) for key in ("triton", "inductor", "permuted")}
     results["per_layer_ms"] = total
-    log(f"  a MoE layer's two: triton {total['triton']} ms, inductor {total['inductor']} ms, "
+    log(f"  a MoE layer's three: triton {total['triton']} ms, inductor {total['inductor']} ms, "
         f"permutation copies {total['permuted']} ms")
     write_json(results, args.json)
 

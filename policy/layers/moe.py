@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kimi_kernels.expert_rows import row_of_pair, weighted_token_sums, weighted_token_sums_backward
+from kimi_kernels.expert_rows import row_of_pair, token_sums, weighted_token_sums, weighted_token_sums_backward
 from kimi_kernels.grouped_experts import experts_small_m, small_m_block
 from kimi_kernels.triton_support import runs_triton
 
@@ -217,11 +217,10 @@ RANKING_MAX_PAIRS = 2048  # token-expert pairs up to which expert_order ranks th
 
 class _RowsByExpert(torch.autograd.Function):
     """z[order // k]: each token's row once per chosen expert, listed expert by expert. Its gradient
-    puts the rows back in (token, choice) order with a permutation (index_copy, no atomics) and sums
-    each token's k rows, where autograd's gradient of the indexing scatters them with an accumulating
-    index_put: on an H100 that and its sort were ~2.8 ms of a ~116 ms learner step (three MoE layers,
-    the Kimi-Linear shape at 8K tokens). The permutation and sum took 0.60 ms a layer there, a gather
-    that sums as it reads 0.68 (benchmarks/moe_rows_gpu.py, 2026-12-07)."""
+    gathers each token's k rows and sums them (kimi_kernels/expert_rows.py's token_sums), where
+    autograd's gradient of the indexing scatters them with an accumulating index_put: on an H100 that
+    and its sort were ~2.8 ms of a ~116 ms learner step (three MoE layers, the Kimi-Linear shape at 8K
+    tokens)."""
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
@@ -232,8 +231,7 @@ class _RowsByExpert(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (order,) = ctx.saved_tensors
-        by_choice = torch.empty_like(grad).index_copy_(0, order, grad)
-        return by_choice.view(-1, ctx.k, grad.shape[-1]).sum(1), None, None
+        return token_sums(grad, row_of_pair(order), ctx.k), None, None
 
 
 def rows_by_expert(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The MoE's weighted row gathers (kimi_kernels/expert_rows.py) against their torch references.
+"""The MoE's row gathers (kimi_kernels/expert_rows.py) against their torch references.
 
 They run on CUDA (bf16, what the learner uses) or, without a GPU, under Triton's interpreter in
 float32 (its bf16 arithmetic is not the card's):
@@ -43,7 +43,7 @@ CASES = [(37, 1, 300), (64, 8, 512), (29, 6, 2304 + 40)]
 
 @usable
 @pytest.mark.parametrize("n,k,d", CASES)
-def test_weighted_token_sums_and_gradients_equal_the_references(n, k, d):
+def test_token_sums_and_gradients_equal_the_references(n, k, d):
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     out, w, pair_rows, grad = _pairs(n, k, d, dtype, seed=n)
     _close(expert_rows.weighted_token_sums(out, w, pair_rows),
@@ -52,6 +52,7 @@ def test_weighted_token_sums_and_gradients_equal_the_references(n, k, d):
     want = expert_rows.weighted_token_sums_backward_reference(grad, out, w, pair_rows)
     for a, b in zip(got, want):
         _close(a, b, dtype)
+    _close(expert_rows.token_sums(out, pair_rows, k), expert_rows.token_sums_reference(out, pair_rows, k), dtype)
 
 
 def test_the_references_are_the_gather_they_describe():
@@ -61,6 +62,7 @@ def test_the_references_are_the_gather_they_describe():
     rows = out[pair_rows[6:9]]  # token 2's three rows
     y = expert_rows.weighted_token_sums_reference(out, w, pair_rows)
     torch.testing.assert_close(y[2], (w[2, :, None] * rows).sum(0))
+    torch.testing.assert_close(expert_rows.token_sums_reference(out, pair_rows, 3)[2], rows.sum(0))
     grad_out, grad_w = expert_rows.weighted_token_sums_backward_reference(grad, out, w, pair_rows)
     torch.testing.assert_close(grad_out[pair_rows[7]], w[2, 1] * grad[2])
     torch.testing.assert_close(grad_w[2], rows @ grad[2])
