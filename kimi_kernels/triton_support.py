@@ -15,11 +15,11 @@ try:
 except ImportError:
     triton = tl = None
 
-__all__ = ["INTERPRETED", "runs_triton", "tl", "triton"]
+__all__ = ["runs_triton", "tl", "triton"]
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it at import
 
 
 def runs_triton(x: torch.Tensor) -> bool:
     """Triton importable and x where its kernels run (a CUDA tensor, or any under the interpreter)."""
-    return triton is not None and (x.is_cuda or INTERPRETED)
+    return triton is not None and (x.is_cuda or _INTERPRETED)

@@ -6,7 +6,11 @@ import torch.nn.functional as F
 
 from kimi_kernels.ops import l2norm, masked_attention, rms_norm, short_conv, situ_glu
 
-__all__ = ["glu", "l2norm", "masked_attention", "rms_norm", "short_conv"]
+__all__ = ["ONE_GEMM_MIN_ROWS", "glu", "l2norm", "masked_attention", "rms_norm", "short_conv"]
+
+# Projections that read the same input run as one GEMM on their stacked weights from this many rows (B*T)
+# on; below it (decoding) one GEMM each, since there copying the weights costs more than the products
+ONE_GEMM_MIN_ROWS = 256
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str, situ_beta: float = 4.0,

@@ -18,12 +18,8 @@ from kimi_kernels.kda import kda, kda_gate, kda_in_slots
 
 from ..cache import KDACache, SlotKDAView
 from ..config import ModelConfig
-from ._ops import l2norm, short_conv
+from ._ops import ONE_GEMM_MIN_ROWS, l2norm, short_conv
 from .norms import GatedRMSNorm
-
-
-# below this many rows (B*T) the projections run one GEMM each (see KDAMixer._project)
-_ONE_GEMM_MIN_ROWS = 256
 
 
 class ConvWeight(nn.Module):
@@ -90,7 +86,7 @@ class KDAMixer(nn.Module):
         weights would cost more than the products."""
         first = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                  self.g_proj if self.full_rank_gate else self.g_a_proj]
-        if x.shape[0] * x.shape[1] < _ONE_GEMM_MIN_ROWS:
+        if x.shape[0] * x.shape[1] < ONE_GEMM_MIN_ROWS:
             outs = [p(x) for p in first]
             return (torch.cat(outs[:3], dim=-1), *outs[3:])
         sizes = [p.out_features for p in first]

@@ -35,7 +35,7 @@ from kimi_kernels.grouped_experts import experts_small_m, small_m_block
 from kimi_kernels.triton_support import runs_triton
 
 from ..config import ModelConfig
-from ._ops import glu
+from ._ops import ONE_GEMM_MIN_ROWS, glu
 from .moe_parallel import expert_parallel
 from .norms import RMSNorm
 
@@ -44,8 +44,6 @@ _QUANTILE_EMA = 0.5
 _GROUPED_MM = os.environ.get("KIMI_MOE_GROUPED_MM", "1") != "0"
 # KIMI_MOE_SMALL_M=0 keeps decode batches on the grouped GEMM too (benchmarks compare the two)
 _SMALL_M = os.environ.get("KIMI_MOE_SMALL_M", "1") != "0"
-# below this many rows the gate and up projections run one GEMM each (see GatedMLP.forward)
-_ONE_GEMM_MIN_ROWS = 256
 
 
 def set_small_m(enabled: bool) -> bool:
@@ -67,7 +65,7 @@ class GatedMLP(nn.Module):
         self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < _ONE_GEMM_MIN_ROWS * x.shape[-1]:  # decoding: copying the weights would cost more
+        if x.numel() < ONE_GEMM_MIN_ROWS * x.shape[-1]:  # decoding: copying the weights would cost more
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:  # one GEMM on the stacked weights: one pass over x, and x's gradient one GEMM, not two and a sum
             gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
@@ -116,7 +114,8 @@ class StackedExperts(nn.Module):
         slice of the experts and the token rows travel to the ranks that hold theirs (moe_parallel.py)."""
         flat_e = idx.reshape(-1)
         order = expert_order(flat_e)
-        zs = rows_by_expert(z, order, idx.shape[1])
+        pair_rows = row_of_pair(order)  # where each (token, choice) lies in expert order
+        zs = rows_by_expert(z, order, pair_rows, idx.shape[1])
         if ep_group is None:
             out = self.grouped(zs, expert_counts(flat_e, self.w1.shape[0]), capacity=len(z))
         else:
@@ -124,7 +123,7 @@ class StackedExperts(nn.Module):
             out = expert_parallel(self.grouped, zs, expert_counts(flat_e, n_experts), ep_group)
         # each token's k output rows gathered, weighted and summed (no atomics, unlike adding each row
         # into its token's sum; the gradient is a gather too)
-        return _WeightedTokenSums.apply(out, w, row_of_pair(order))
+        return _WeightedTokenSums.apply(out, w, pair_rows)
 
     def grouped(self, zs: torch.Tensor, counts: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
         """zs: [M, dim] rows sorted by expert, counts[e] of them for expert e -> Expert_e(row),
@@ -223,20 +222,21 @@ class _RowsByExpert(torch.autograd.Function):
     tokens)."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(order)
+    def forward(ctx, z: torch.Tensor, order: torch.Tensor, pair_rows: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(pair_rows)
         ctx.k = k
         return z.index_select(0, order // k)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (order,) = ctx.saved_tensors
-        return token_sums(grad, row_of_pair(order), ctx.k), None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (pair_rows,) = ctx.saved_tensors
+        return token_sums(grad, pair_rows, ctx.k), None, None, None
 
 
-def rows_by_expert(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """z [N, d], order: expert_order of the N*k token-expert pairs -> [N*k, d], pair order[i]'s token row."""
-    return _RowsByExpert.apply(z, order, k)
+def rows_by_expert(z: torch.Tensor, order: torch.Tensor, pair_rows: torch.Tensor, k: int) -> torch.Tensor:
+    """z [N, d], order: expert_order of the N*k token-expert pairs, pair_rows: its inverse (row_of_pair)
+    -> [N*k, d], pair order[i]'s token row."""
+    return _RowsByExpert.apply(z, order, pair_rows, k)
 
 
 def expert_order(expert_ids: torch.Tensor) -> torch.Tensor:

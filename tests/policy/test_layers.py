@@ -48,7 +48,7 @@ def test_kda_projections_as_one_gemm_equal_one_gemm_each(kw, monkeypatch):
     x = torch.randn(2, 13, 32, requires_grad=True)
     results = []
     for threshold in (0, 10_000):
-        monkeypatch.setattr(kda, "_ONE_GEMM_MIN_ROWS", threshold)
+        monkeypatch.setattr(kda, "ONE_GEMM_MIN_ROWS", threshold)
         layer.zero_grad()
         y, _ = layer(x)
         results.append((y, *torch.autograd.grad(y.sum(), [x, layer.q_proj.weight, layer.b_proj.weight])))
@@ -67,7 +67,7 @@ def test_gated_mlp_gate_and_up_as_one_gemm_equal_one_gemm_each(act, monkeypatch)
     x = torch.randn(2, 13, 32, requires_grad=True)
     results = []
     for threshold in (0, 10_000):
-        monkeypatch.setattr(moe, "_ONE_GEMM_MIN_ROWS", threshold)
+        monkeypatch.setattr(moe, "ONE_GEMM_MIN_ROWS", threshold)
         y = mlp(x)
         weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
         results.append((y, *torch.autograd.grad(y.square().sum(), [x, *weights])))
@@ -316,13 +316,14 @@ def test_expert_order_is_a_stable_argsort(pairs):
 def test_rows_by_expert_and_its_gradient_equal_indexing(k):
     """rows_by_expert (the routed experts' input rows, with a gradient that sums each token's k
     rows by a permutation) gives what indexing z[order // k] and autograd's gradient of it give."""
+    from kimi_kernels.expert_rows import row_of_pair
     from policy.layers.moe import expert_order, rows_by_expert
 
     g = torch.Generator().manual_seed(k)
     z = torch.randn(37, 12, generator=g, dtype=torch.float64, requires_grad=True)
     order = expert_order(torch.randint(0, 9, (37 * k,), generator=g))
     upstream = torch.randn(37 * k, 12, generator=g, dtype=torch.float64)
-    got = rows_by_expert(z, order, k)
+    got = rows_by_expert(z, order, row_of_pair(order), k)
     want = z[order // k]
     assert torch.equal(got, want)
     torch.testing.assert_close(torch.autograd.grad(got, z, upstream)[0], torch.autograd.grad(want, z, upstream)[0],
